@@ -1,0 +1,166 @@
+"""The transaction-level advisory lock and the derivation of its key: nothing else.
+
+Keys are `hashtextextended(job name, namespace)`, computed by the database in the lock
+statement. The same function is mirrored here (PostgreSQL's `hash_bytes_extended`, the
+little-endian variant every mainstream server runs) so that colliding job names are refused
+at start-up even while the database is down, and so that `pg_locks` rows can be mapped back to
+job names; `verify_keys` checks the mirror against the server once it is reachable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import asyncpg
+
+_MASK = 0xFFFFFFFF
+
+
+def _rot(x: int, k: int) -> int:
+    return ((x << k) | (x >> (32 - k))) & _MASK
+
+
+def _mix(a: int, b: int, c: int) -> tuple[int, int, int]:
+    a = (a - c) & _MASK
+    a ^= _rot(c, 4)
+    c = (c + b) & _MASK
+    b = (b - a) & _MASK
+    b ^= _rot(a, 6)
+    a = (a + c) & _MASK
+    c = (c - b) & _MASK
+    c ^= _rot(b, 8)
+    b = (b + a) & _MASK
+    a = (a - c) & _MASK
+    a ^= _rot(c, 16)
+    c = (c + b) & _MASK
+    b = (b - a) & _MASK
+    b ^= _rot(a, 19)
+    a = (a + c) & _MASK
+    c = (c - b) & _MASK
+    c ^= _rot(b, 4)
+    b = (b + a) & _MASK
+    return a, b, c
+
+
+def _final(a: int, b: int, c: int) -> tuple[int, int, int]:
+    c ^= b
+    c = (c - _rot(b, 14)) & _MASK
+    a ^= c
+    a = (a - _rot(c, 11)) & _MASK
+    b ^= a
+    b = (b - _rot(a, 25)) & _MASK
+    c ^= b
+    c = (c - _rot(b, 16)) & _MASK
+    a ^= c
+    a = (a - _rot(c, 4)) & _MASK
+    b ^= a
+    b = (b - _rot(a, 14)) & _MASK
+    c ^= b
+    c = (c - _rot(b, 24)) & _MASK
+    return a, b, c
+
+
+def hashtextextended(text: str, seed: int) -> int:
+    """PostgreSQL's `hashtextextended(text, seed)` for a deterministic collation, as a bigint."""
+    data = text.encode()
+    length = len(data)
+    a = b = c = (0x9E3779B9 + length + 3923095) & _MASK
+    useed = seed & 0xFFFFFFFFFFFFFFFF
+    if useed:
+        # The seed is hashed as a 12-byte chunk padded with zeroes.
+        a = (a + (useed >> 32)) & _MASK
+        b = (b + (useed & _MASK)) & _MASK
+        a, b, c = _mix(a, b, c)
+    pos = 0
+    while length - pos >= 12:
+        a = (a + int.from_bytes(data[pos : pos + 4], "little")) & _MASK
+        b = (b + int.from_bytes(data[pos + 4 : pos + 8], "little")) & _MASK
+        c = (c + int.from_bytes(data[pos + 8 : pos + 12], "little")) & _MASK
+        a, b, c = _mix(a, b, c)
+        pos += 12
+    tail = data[pos:]
+    # The lowest byte of c is reserved for the length, so c's tail bytes start one byte up.
+    a = (a + int.from_bytes(tail[0:4], "little")) & _MASK
+    b = (b + int.from_bytes(tail[4:8], "little")) & _MASK
+    c = (c + (int.from_bytes(tail[8:11], "little") << 8)) & _MASK
+    a, b, c = _final(a, b, c)
+    value = (b << 32) | c
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+@dataclass(frozen=True, slots=True)
+class LockKey:
+    """A 64-bit advisory key as `pg_locks` shows it: classid = high half, objid = low half."""
+
+    key: int
+
+    @property
+    def classid(self) -> int:
+        return (self.key >> 32) & _MASK
+
+    @property
+    def objid(self) -> int:
+        return self.key & _MASK
+
+    @classmethod
+    def from_pg_locks(cls, classid: int, objid: int) -> LockKey:
+        value = (classid << 32) | objid
+        return cls(value - (1 << 64) if value >= 1 << 63 else value)
+
+
+def lock_key(name: str, namespace: int) -> LockKey:
+    return LockKey(hashtextextended(name, namespace))
+
+
+async def verify_keys(conn: asyncpg.Connection, names: list[str], namespace: int) -> dict[str, int]:
+    """The server's keys for `names`; differs from `lock_key` only on a big-endian server."""
+    rows = await conn.fetch(
+        "SELECT n, hashtextextended(n, $2) AS k FROM unnest($1::text[]) AS n", names, namespace
+    )
+    return {r["n"]: r["k"] for r in rows}
+
+
+# One statement, one round trip: the transaction's timeouts (SET takes no bind parameters,
+# set_config(..., true) is its transaction-local form), then the try-lock, plus what the
+# runner needs to decide: the database's clock, whether this is a standby, and the backend
+# pid that holds the lock (PgBouncer hides the real one from the client).
+TRY_LOCK_SQL = """
+SELECT set_config('statement_timeout', $3, true),
+       set_config('idle_in_transaction_session_timeout', $3, true),
+       set_config('client_connection_check_interval', $4, true),
+       {extra}
+       pg_try_advisory_xact_lock(hashtextextended($1, $2)) AS locked,
+       now() AS db_now,
+       pg_is_in_recovery() AS standby,
+       pg_backend_pid() AS backend_pid
+"""
+
+
+def try_lock_sql(server_version: int) -> str:
+    """The lock statement for this server: `transaction_timeout` exists from PostgreSQL 17."""
+    extra = "set_config('transaction_timeout', $3, true)," if server_version >= 170000 else ""
+    return TRY_LOCK_SQL.format(extra=extra)
+
+
+async def try_lock(
+    conn: asyncpg.Connection,
+    name: str,
+    namespace: int,
+    *,
+    db_timeout: float,
+    client_check_interval: float,
+    server_version: int,
+) -> asyncpg.Record:
+    """Take the job's transaction-level lock without waiting; the caller's transaction is open.
+
+    Returns a record with `locked`, `db_now`, `standby` and `backend_pid`.
+    """
+    row = await conn.fetchrow(
+        try_lock_sql(server_version),
+        name,
+        namespace,
+        f"{max(1, int(db_timeout * 1000))}ms",
+        f"{int(client_check_interval * 1000)}ms",
+    )
+    assert row is not None
+    return row

@@ -1,0 +1,158 @@
+"""All configuration, from the environment (and `.env`); every setting is listed in `.env.example`.
+
+Timers are float seconds so tests can make them short.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The value `.env.example` ships with: a service started with it must refuse, never run.
+PLACEHOLDER_SECRET = "change-me-to-a-random-string-of-32-or-more-characters"
+MIN_SECRET_LENGTH = 32
+
+
+class SettingsError(ValueError):
+    """The configuration cannot run safely; the message says what to change."""
+
+
+def _default_instance() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True
+    )
+
+    # --- database -------------------------------------------------------------------------
+    database_url: str | None = None
+    # A direct (not pooled) URL for LISTEN, which does not work through PgBouncer in
+    # transaction mode; defaults to database_url.
+    database_direct_url: str | None = None
+    db_pool_min_size: int = Field(default=1, ge=0)
+    db_pool_max_size: int = Field(default=10, ge=1)
+    db_acquire_timeout: float = Field(default=2.0, gt=0)
+    db_connect_timeout: float = Field(default=5.0, gt=0)
+    # PgBouncer < 1.21 cannot route prepared statements: keep 0 unless connecting directly.
+    db_statement_cache_size: int = Field(default=0, ge=0)
+    # Database-side timeouts are the job's timeout plus this margin, so the service's own
+    # timeout answers first and the database still frees the lock of a frozen instance.
+    db_timeout_margin: float = Field(default=5.0, gt=0)
+    db_client_check_interval: float = Field(default=1.0, ge=0)
+    migrate_on_start: bool = True
+    migrate_retry_interval: float = Field(default=2.0, gt=0)
+    # Folder of the embedded PostgreSQL started by `python -m app serve` without DATABASE_URL.
+    embedded_pg_dir: Path = Path("var/pg")
+
+    # --- auth -----------------------------------------------------------------------------
+    cron_secret: SecretStr | None = None
+    cron_secret_file: Path | None = None
+    cron_secret_previous: SecretStr | None = None
+    # A token that can read (jobs, runs, locks) but never run anything.
+    cron_read_token: SecretStr | None = None
+    metrics_token: SecretStr | None = None
+
+    # --- jobs -----------------------------------------------------------------------------
+    cron_jobs: str = "app.demo.digest"
+    lock_namespace: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    instance_name: str = Field(default_factory=_default_instance)
+    cron_allow_get: bool = False
+    max_body_bytes: int = Field(default=65536, ge=0)
+    backfill_window: float = Field(default=7 * 86400.0, ge=0)
+    ledger_retention_days: float = Field(default=90.0, gt=0)
+    # uvicorn waits for ever for running requests by default; a job in flight at SIGTERM
+    # gets this long, then is cancelled and rolled back.
+    graceful_shutdown_timeout: float = Field(default=30.0, gt=0)
+    log_format: Literal["auto", "json", "text"] = "auto"
+    log_level: str = "INFO"
+
+    # --- outbox delivery --------------------------------------------------------------------
+    outbox_enabled: bool = True
+    outbox_batch_size: int = Field(default=50, ge=1)
+    outbox_concurrency: int = Field(default=8, ge=1)
+    outbox_lease: float = Field(default=60.0, gt=0)
+    outbox_poll_interval: float = Field(default=2.0, gt=0)
+    outbox_send_timeout: float = Field(default=10.0, gt=0)
+    outbox_max_attempts: int = Field(default=12, ge=1)
+    # Shorter than the provider's idempotency window (24 h at Resend).
+    outbox_retry_window: float = Field(default=23 * 3600.0, gt=0)
+    outbox_backoff_base: float = Field(default=2.0, gt=0)
+    outbox_backoff_max: float = Field(default=900.0, gt=0)
+    # Sends per second shared by every sender (0 = unlimited).
+    outbox_rate_limit: float = Field(default=2.0, ge=0)
+    outbox_retention_days: float = Field(default=7.0, gt=0)
+    outbox_shutdown_timeout: float = Field(default=10.0, gt=0)
+
+    email_backend: Literal["log", "http", "smtp"] = "log"
+    email_from: str = "cronlock <digest@example.com>"
+    email_api_url: str = "https://api.resend.com"
+    email_api_key: SecretStr | None = None
+    smtp_host: str = "localhost"
+    smtp_port: int = 1025
+    smtp_username: str | None = None
+    smtp_password: SecretStr | None = None
+    smtp_starttls: bool = False
+
+    @field_validator("cron_secret", "cron_secret_previous", "cron_read_token", "metrics_token")
+    @classmethod
+    def _blank_is_unset(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().strip():
+            return None
+        return v
+
+    @model_validator(mode="after")
+    def _pool_sizes(self) -> Settings:
+        if self.db_pool_min_size > self.db_pool_max_size:
+            raise ValueError("DB_POOL_MIN_SIZE must not exceed DB_POOL_MAX_SIZE")
+        return self
+
+    @property
+    def job_modules(self) -> list[str]:
+        return [m.strip() for m in self.cron_jobs.split(",") if m.strip()]
+
+    def secrets(self) -> list[bytes]:
+        """The tokens that may trigger jobs: current first, then the previous one (rotation)."""
+        current = self.cron_secret
+        if current is None and self.cron_secret_file is not None:
+            current = SecretStr(read_secret_file(self.cron_secret_file))
+        found = [current, self.cron_secret_previous]
+        return [s.get_secret_value().encode() for s in found if s is not None]
+
+    def check_secrets(self) -> None:
+        """Fail closed: no secret, a short one or the placeholder means nothing may start."""
+        tokens = self.secrets()
+        if not tokens:
+            raise SettingsError(
+                "CRON_SECRET is not set: cronlock refuses to start without one. "
+                "Generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        named = [("CRON_SECRET", tokens[0])]
+        if self.cron_secret_previous is not None:
+            named.append(("CRON_SECRET_PREVIOUS", tokens[-1]))
+        for extra in ("cron_read_token", "metrics_token"):
+            value = getattr(self, extra)
+            if value is not None:
+                named.append((extra.upper(), value.get_secret_value().encode()))
+        for name, token in named:
+            if token.decode(errors="replace").strip() == PLACEHOLDER_SECRET:
+                raise SettingsError(f"{name} is the placeholder from .env.example: set a real one")
+            if len(token) < MIN_SECRET_LENGTH:
+                raise SettingsError(f"{name} is shorter than {MIN_SECRET_LENGTH} characters")
+
+    @property
+    def listen_url(self) -> str | None:
+        return self.database_direct_url or self.database_url
+
+
+def read_secret_file(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise SettingsError(f"CRON_SECRET_FILE {path} cannot be read: {exc.strerror}") from exc
