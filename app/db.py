@@ -7,6 +7,8 @@ statements kept across transactions (`statement_cache_size=0` by default).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -19,6 +21,9 @@ from app.errors import DatabaseUnavailable
 from app.settings import Settings
 
 log = logging.getLogger("cronlock.db")
+
+# A connection as queries see it: a plain one (CLI, LISTEN) or one borrowed from the pool.
+Conn = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
 # Errors that mean "the database cannot serve us now", as opposed to a bug in a query.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -87,8 +92,10 @@ async def create_pool(settings: Settings, dsn: str | None = None) -> asyncpg.Poo
         raise DatabaseUnavailable("DATABASE_URL is not set")
     pool = await asyncpg.create_pool(
         url,
+        # Lazy: no connection until the first request, so start-up never waits for the
+        # database; idle connections close after a minute.
         init_size=0,
-        min_size=settings.db_pool_min_size,
+        min_size=0,
         max_size=settings.db_pool_max_size,
         statement_cache_size=settings.db_statement_cache_size,
         timeout=settings.db_connect_timeout,
@@ -158,7 +165,7 @@ CREATE TABLE IF NOT EXISTS cronlock_migrations (
 """
 
 
-async def migrate(conn: asyncpg.Connection) -> list[str]:
+async def migrate(conn: Conn) -> list[str]:
     """Apply the pending migrations in one transaction; returns the names applied.
 
     The transaction-level advisory lock makes N instances booting together migrate once:
@@ -181,7 +188,7 @@ async def migrate(conn: asyncpg.Connection) -> list[str]:
     return applied
 
 
-async def pending_migrations(conn: asyncpg.Connection) -> list[int]:
+async def pending_migrations(conn: Conn) -> list[int]:
     """Versions shipped with this code that the database has not applied yet."""
     exists = await conn.fetchval("SELECT to_regclass('cronlock_migrations') IS NOT NULL")
     done: set[int] = set()
@@ -193,3 +200,99 @@ async def pending_migrations(conn: asyncpg.Connection) -> list[int]:
 def as_json(value: Any) -> Any:
     """Round-trip through JSON so a job's return value is stored exactly as clients see it."""
     return json.loads(json.dumps(value))
+
+
+class Database:
+    """The pool and what the service knows about the server behind it.
+
+    The pool connects lazily and `watch` keeps the facts fresh in the background, so an
+    instance starts (and answers 503 with a reason) while the database is down, a standby, or
+    not migrated yet.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._pool: asyncpg.Pool | None = None
+        self.server_version = 0
+        self.migrated = False
+        self.standby = False
+        self.problem: str | None = "database not checked yet"
+
+    async def open(self) -> None:
+        if self._pool is None and self.settings.database_url:
+            self._pool = await create_pool(self.settings)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise DatabaseUnavailable("DATABASE_URL is not set")
+        return self._pool
+
+    async def acquire(self) -> asyncpg.pool.PoolConnectionProxy:
+        """A pooled connection within the acquire timeout, or DatabaseUnavailable."""
+        try:
+            conn = await self.pool.acquire(timeout=self.settings.db_acquire_timeout)
+        except TimeoutError as exc:
+            raise DatabaseUnavailable("no database connection free (pool exhausted)") from exc
+        except CONNECTION_ERRORS as exc:
+            raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
+        if not self.server_version:
+            self.server_version = conn.get_server_version().major * 10000
+        return conn
+
+    async def release(self, conn: asyncpg.pool.PoolConnectionProxy) -> None:
+        try:
+            await self.pool.release(conn, timeout=self.settings.db_connect_timeout)
+        except Exception:  # a broken connection is dropped by the pool either way
+            log.debug("connection release failed", exc_info=True)
+
+    async def check(self, *, apply_migrations: bool) -> str | None:
+        """Look at the server once: reachable, primary, migrated. Returns the problem, if any."""
+        try:
+            conn = await self.acquire()
+        except DatabaseUnavailable as exc:
+            self.problem = exc.reason
+            return self.problem
+        try:
+            self.standby = bool(await conn.fetchval("SELECT pg_is_in_recovery()"))
+            if apply_migrations and not self.standby and not self.migrated:
+                await migrate(conn)
+            pending = await pending_migrations(conn)
+            self.migrated = not pending
+            if self.standby:
+                self.problem = (
+                    "database is a standby (pg_is_in_recovery): advisory locks taken there do "
+                    "not coordinate with the primary, so jobs are refused"
+                )
+            elif pending:
+                self.problem = f"migrations not applied: {pending}"
+            else:
+                self.problem = None
+        except CONNECTION_ERRORS as exc:
+            self.problem = f"database unreachable: {describe(exc)}"
+        except asyncpg.PostgresError as exc:
+            self.problem = f"database check failed: {describe(exc)}: {exc}"
+            log.warning("database check failed: %s", exc)
+        finally:
+            await self.release(conn)
+        return self.problem
+
+    def require_ready(self) -> None:
+        """Jobs run only once migrations are current; reachability is found out per request."""
+        if not self.migrated:
+            raise DatabaseUnavailable(self.problem or "migrations not applied yet")
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Re-check the server: quickly until it is ready, then now and then (a primary can be
+        demoted, a standby promoted)."""
+        interval = self.settings.migrate_retry_interval
+        while not stop.is_set():
+            problem = await self.check(apply_migrations=self.settings.migrate_on_start)
+            delay = interval if problem else max(interval, 10.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)

@@ -10,8 +10,12 @@ job names; `verify_keys` checks the mirror against the server once it is reachab
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import asyncpg
+
+if TYPE_CHECKING:
+    from app.db import Conn
 
 _MASK = 0xFFFFFFFF
 
@@ -112,7 +116,7 @@ def lock_key(name: str, namespace: int) -> LockKey:
     return LockKey(hashtextextended(name, namespace))
 
 
-async def verify_keys(conn: asyncpg.Connection, names: list[str], namespace: int) -> dict[str, int]:
+async def verify_keys(conn: Conn, names: list[str], namespace: int) -> dict[str, int]:
     """The server's keys for `names`; differs from `lock_key` only on a big-endian server."""
     rows = await conn.fetch(
         "SELECT n, hashtextextended(n, $2) AS k FROM unnest($1::text[]) AS n", names, namespace
@@ -143,7 +147,7 @@ def try_lock_sql(server_version: int) -> str:
 
 
 async def try_lock(
-    conn: asyncpg.Connection,
+    conn: Conn,
     name: str,
     namespace: int,
     *,

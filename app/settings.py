@@ -10,11 +10,11 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The value `.env.example` ships with: a service started with it must refuse, never run.
-PLACEHOLDER_SECRET = "change-me-to-a-random-string-of-32-or-more-characters"
+PLACEHOLDER_SECRET = "change-me-to-a-random-string-of-32-or-more-characters"  # noqa: S105
 MIN_SECRET_LENGTH = 32
 
 
@@ -36,7 +36,6 @@ class Settings(BaseSettings):
     # A direct (not pooled) URL for LISTEN, which does not work through PgBouncer in
     # transaction mode; defaults to database_url.
     database_direct_url: str | None = None
-    db_pool_min_size: int = Field(default=1, ge=0)
     db_pool_max_size: int = Field(default=10, ge=1)
     db_acquire_timeout: float = Field(default=2.0, gt=0)
     db_connect_timeout: float = Field(default=5.0, gt=0)
@@ -106,12 +105,6 @@ class Settings(BaseSettings):
         if v is not None and not v.get_secret_value().strip():
             return None
         return v
-
-    @model_validator(mode="after")
-    def _pool_sizes(self) -> Settings:
-        if self.db_pool_min_size > self.db_pool_max_size:
-            raise ValueError("DB_POOL_MIN_SIZE must not exceed DB_POOL_MAX_SIZE")
-        return self
 
     @property
     def job_modules(self) -> list[str]:

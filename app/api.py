@@ -1,0 +1,281 @@
+"""HTTP routes: translate requests into runner calls and outcomes into answers. No SQL here.
+
+Answers, in the order a request meets them: 401 (auth, before routing), 404/405, 413, 422,
+then the run itself: 200 (ran or skipped: schedulers retry anything else), 202 (accepted,
+`wait=false`), 500 (the job raised), 503 (database unavailable), 504 (job timed out).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import AwareDatetime, BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.db import Database
+from app.errors import DatabaseUnavailable, InvalidTrigger
+from app.jobs import Job, Registry
+from app.ledger import iso
+from app.runner import Outcome, Runner
+from app.settings import Settings
+
+log = logging.getLogger("cronlock.api")
+
+RETRY_AFTER_SECONDS = "5"
+
+
+class TriggerQuery(BaseModel):
+    """Query parameters of `POST /cron/<job>`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    force: bool = False
+    wait: bool = True
+    slot: AwareDatetime | None = None
+
+
+class RequestTooLarge(Exception):
+    pass
+
+
+def get_runner(request: Request) -> Runner:
+    runner: Runner = request.state.runner
+    return runner
+
+
+def get_db(request: Request) -> Database:
+    db: Database = request.state.db
+    return db
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.state.settings
+    return settings
+
+
+RunnerDep = Annotated[Runner, Depends(get_runner)]
+DatabaseDep = Annotated[Database, Depends(get_db)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def error(status: int, message: str, **extra: Any) -> JSONResponse:
+    headers = {"Retry-After": RETRY_AFTER_SECONDS} if status == 503 else None
+    return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLarge
+    return bytes(body)
+
+
+def parse_params(job: Job, body: bytes) -> Any:
+    """The job's validated params from the JSON body (InvalidTrigger for 422)."""
+    data: Any = None
+    if body.strip():
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidTrigger(f"body is not valid JSON: {exc}") from exc
+    if job.params is None:
+        return None
+    try:
+        return job.params.model_validate(data if data is not None else {})
+    except ValidationError as exc:
+        raise InvalidTrigger(
+            json.loads(exc.json(include_url=False, include_context=False, include_input=False))
+        ) from exc
+
+
+def outcome_response(outcome: Outcome) -> JSONResponse:
+    if outcome.kind == "succeeded":
+        return JSONResponse(
+            {
+                "job": outcome.job,
+                "processed": outcome.processed,
+                "run_id": outcome.run_id,
+                "slot": iso(outcome.slot),
+                "duration_ms": outcome.duration_ms,
+            }
+        )
+    if outcome.kind == "skipped":
+        body: dict[str, Any] = {"job": outcome.job, "skipped": True, "reason": outcome.reason}
+        if outcome.slot is not None:
+            body["slot"] = iso(outcome.slot)
+        return JSONResponse(body)
+    if outcome.kind == "accepted":
+        return JSONResponse(
+            {"job": outcome.job, "run_id": outcome.run_id, "slot": iso(outcome.slot)},
+            status_code=202,
+        )
+    if outcome.kind == "timed_out":
+        return error(504, "job timed out", job=outcome.job, run_id=outcome.run_id)
+    return error(500, "job failed", job=outcome.job, run_id=outcome.run_id)
+
+
+def trigger_handler(job: Job) -> Callable[[Request, RunnerDep, SettingsDep], Awaitable[Response]]:
+    async def trigger(request: Request, runner: RunnerDep, settings: SettingsDep) -> Response:
+        # Read and validate everything by hand, in the contract's order (413 before 422),
+        # before any connection or lock is taken.
+        try:
+            body = await read_body(request, settings.max_body_bytes)
+        except RequestTooLarge:
+            return error(413, "request body too large", limit=settings.max_body_bytes)
+        try:
+            query = TriggerQuery.model_validate(dict(request.query_params))
+        except ValidationError as exc:
+            detail = json.loads(exc.json(include_url=False, include_input=False))
+            return error(422, "invalid query parameters", detail=detail)
+        try:
+            params = parse_params(job, body)
+            outcome = await runner.trigger(
+                job, force=query.force, slot=query.slot, params=params, wait=query.wait
+            )
+        except InvalidTrigger as exc:
+            return error(422, "invalid trigger", detail=exc.args[0])
+        except DatabaseUnavailable as exc:
+            return error(503, "database unavailable", job=job.name, reason=exc.reason)
+        return outcome_response(outcome)
+
+    return trigger
+
+
+def _openapi_for(job: Job) -> dict[str, Any]:
+    parameters = [
+        {
+            "name": "force",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "boolean"},
+            "description": "run even if this slot already succeeded (recorded as manual)",
+        },
+        {
+            "name": "wait",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "boolean"},
+            "description": "false: answer 202 with the run id once the lock is taken",
+        },
+        {
+            "name": "slot",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string", "format": "date-time"},
+            "description": "backfill this past tick of the schedule",
+        },
+    ]
+    extra: dict[str, Any] = {"parameters": parameters}
+    if job.params is not None:
+        extra["requestBody"] = {
+            "required": False,
+            "content": {"application/json": {"schema": job.params.model_json_schema()}},
+        }
+    return extra
+
+
+def _describe(job: Job) -> str:
+    parts = [job.description] if job.description else []
+    if job.schedule is not None:
+        parts.append(f"Schedule `{job.schedule.expr}` in {job.schedule.tz}.")
+    else:
+        parts.append("No schedule: protected against overlap only.")
+    parts.append(f"Timeout {job.timeout:g} s.")
+    return " ".join(parts)
+
+
+def job_router(registry: Registry, settings: Settings) -> APIRouter:
+    """One route per registered job, so each appears in the OpenAPI document."""
+    router = APIRouter(prefix="/cron", tags=["jobs"])
+    methods = ["POST", "GET"] if settings.cron_allow_get else ["POST"]
+    for job in registry.values():
+        router.add_api_route(
+            f"/{job.name}",
+            trigger_handler(job),
+            methods=methods,
+            name=f"trigger:{job.name}",
+            summary=f"Trigger {job.name}",
+            description=_describe(job),
+            openapi_extra=_openapi_for(job),
+            responses={
+                200: {"description": "ran, or skipped (already running / already done)"},
+                202: {"description": "accepted (wait=false)"},
+                401: {"description": "missing or wrong secret"},
+                413: {"description": "body too large"},
+                422: {"description": "bad parameters"},
+                500: {"description": "job failed (with run id)"},
+                503: {"description": "database unavailable (Retry-After)"},
+                504: {"description": "job timed out (with run id)"},
+            },
+        )
+    return router
+
+
+health_router = APIRouter(tags=["health"])
+
+
+@health_router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is alive; no database call."""
+    return {"status": "ok"}
+
+
+@health_router.get("/readyz")
+async def readyz(db: DatabaseDep, settings: SettingsDep) -> Response:
+    """Database reachable, a primary, migrations current."""
+    problem = await db.check(apply_migrations=False)
+    if problem is not None:
+        return error(503, "not ready", reason=problem)
+    return JSONResponse({"status": "ready", "instance": settings.instance_name})
+
+
+def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
+    app.include_router(health_router)
+    app.include_router(job_router(registry, settings))
+
+    # Anything under /cron/ that is not a route: an unknown job (404), or a known job asked
+    # with the wrong method (405). Registered last so real routes match first.
+    async def not_a_job(name: str, request: Request) -> Response:
+        if name in registry:
+            allowed = "POST, GET" if settings.cron_allow_get else "POST"
+            return JSONResponse(
+                {"error": "method not allowed", "allow": allowed},
+                status_code=405,
+                headers={"Allow": allowed},
+            )
+        return error(404, "unknown job", job=name[:200])
+
+    app.add_api_route(
+        "/cron/{name:path}",
+        not_a_job,
+        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+        include_in_schema=False,
+    )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers) if exc.headers else None
+        return JSONResponse(
+            {"error": str(exc.detail)}, status_code=exc.status_code, headers=headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        detail = [{"loc": e.get("loc"), "msg": e.get("msg")} for e in exc.errors()]
+        return error(422, "invalid request", detail=detail)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error(500, "internal error")

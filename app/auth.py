@@ -1,0 +1,109 @@
+"""Bearer authentication, checked before routing (an ASGI middleware), in constant time.
+
+Checking before routing means an unauthenticated caller learns nothing, not even which jobs
+exist: every `/cron/` path and the OpenAPI document answer 401 first.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Sequence
+from enum import Enum
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+UNAUTHORIZED = json.dumps({"error": "Unauthorized"}).encode()
+
+
+class Access(Enum):
+    RUN = "run"  # trigger jobs, cancel: the cron secret only
+    READ = "read"  # jobs, runs, locks, the OpenAPI document: the secret or the read token
+    METRICS = "metrics"  # /metrics: its own token, or any of the above
+    OPEN = "open"  # health checks
+
+
+READ_PATHS = ("/cron/jobs", "/cron/runs", "/cron/locks", "/openapi.json", "/docs", "/redoc")
+
+
+def required_access(method: str, path: str) -> Access:
+    if path == "/metrics":
+        return Access.METRICS
+    if path.startswith("/cron/") or path == "/cron":
+        if method in ("GET", "HEAD") and (path in READ_PATHS or path.startswith("/cron/runs/")):
+            return Access.READ
+        return Access.RUN
+    if path in READ_PATHS or path.startswith("/docs/"):
+        return Access.READ
+    return Access.OPEN
+
+
+def bearer_token(header: bytes | None) -> bytes | None:
+    """The token of `Authorization: Bearer <token>`; the scheme is case-insensitive (RFC 9110),
+    anything else (no token, two spaces, a second word) is malformed."""
+    if not header:
+        return None
+    scheme, sep, token = header.partition(b" ")
+    if not sep or scheme.lower() != b"bearer" or not token or b" " in token or b"\t" in token:
+        return None
+    return token
+
+
+def matches(token: bytes, candidates: Sequence[bytes]) -> bool:
+    """Constant time in the token, and every candidate is compared, so timing reveals neither
+    the secret nor which of the current or previous secret matched."""
+    found = False
+    for candidate in candidates:
+        found |= hmac.compare_digest(token, candidate)
+    return found
+
+
+class BearerAuth:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        run_tokens: Sequence[bytes],
+        read_tokens: Sequence[bytes] = (),
+        metrics_tokens: Sequence[bytes] = (),
+    ) -> None:
+        if not run_tokens:
+            raise ValueError("no cron secret: refusing to serve jobs without one")
+        self.app = app
+        self.tokens = {
+            Access.RUN: list(run_tokens),
+            Access.READ: [*run_tokens, *read_tokens],
+            Access.METRICS: [*run_tokens, *read_tokens, *metrics_tokens],
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        access = required_access(scope["method"], scope["path"])
+        if access is not Access.OPEN:
+            header = None
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    header = value
+                    break
+            token = bearer_token(header)
+            if token is None or not matches(token, self.tokens[access]):
+                await _unauthorized(send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unauthorized(send: Send) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(UNAUTHORIZED)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": UNAUTHORIZED})

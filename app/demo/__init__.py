@@ -1,0 +1,1 @@
+"""The example domain: the article's daily digest."""

@@ -1,0 +1,179 @@
+"""Jobs: the `@job` decorator, the context a job runs with, and the registry.
+
+A job is an async function of a `JobContext`. It may only touch the database through
+`ctx.conn`, the connection whose transaction holds the job's advisory lock: a query sent
+through the pool would run outside that transaction and the lock would protect nothing.
+
+An SQL error inside the job aborts the whole transaction and so frees the lock at once; a job
+that must survive a failing statement wraps it in a savepoint (`async with ctx.conn.transaction():`
+inside the job opens one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from app.db import Conn
+from app.errors import JobDefinitionError
+from app.lock import lock_key
+from app.schedule import Schedule, ScheduleError
+
+RESERVED_NAMES = frozenset({"jobs", "runs", "locks"})
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+Trigger = Literal["scheduled", "manual", "backfill"]
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What a running job gets. `conn` is the only connection it may use."""
+
+    conn: Conn
+    job: Job
+    run_id: int
+    slot: datetime | None
+    now: datetime  # the database's now(): the start of the lock transaction
+    params: Any  # an instance of the job's params model, or None
+    trigger: Trigger
+    instance: str
+
+
+JobFunc = Callable[[JobContext], Coroutine[Any, Any, Any]]
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    func: JobFunc
+    schedule: Schedule | None = None
+    timeout: float = 60.0
+    # A trigger up to this many seconds before a tick counts for that tick (clock skew);
+    # capped at half the schedule's interval.
+    early_tolerance: float = 5.0
+    max_lateness: float | None = None
+    # How long after a tick a missing succeeded run makes the job `overdue`.
+    grace: float = 300.0
+    catch_up: bool = False
+    params: type[BaseModel] | None = None
+    description: str = ""
+    module: str = ""
+
+    @property
+    def tz(self) -> str | None:
+        return self.schedule.tz if self.schedule else None
+
+
+_DECLARED: dict[str, Job] = {}
+
+
+def job(
+    name: str,
+    *,
+    schedule: str | None = None,
+    tz: str = "UTC",
+    timeout: float = 60.0,
+    early_tolerance: float = 5.0,
+    max_lateness: float | None = None,
+    grace: float = 300.0,
+    catch_up: bool = False,
+    params: type[BaseModel] | None = None,
+) -> Callable[[JobFunc], JobFunc]:
+    """Declare a job. Jobs are collected from the modules named in the CRON_JOBS setting."""
+    if not NAME_PATTERN.match(name):
+        raise JobDefinitionError(
+            f"job name {name!r}: use letters, digits, '.', '_' or '-' (at most 100)"
+        )
+    if name in RESERVED_NAMES:
+        raise JobDefinitionError(f"job name {name!r} is reserved for the API")
+    if timeout <= 0:
+        raise JobDefinitionError(f"job {name!r}: timeout must be positive")
+    if early_tolerance < 0 or (max_lateness is not None and max_lateness <= 0):
+        raise JobDefinitionError(f"job {name!r}: tolerances must be positive")
+    try:
+        parsed = Schedule.parse(schedule, tz) if schedule is not None else None
+    except ScheduleError as exc:
+        raise JobDefinitionError(f"job {name!r}: {exc}") from exc
+
+    def register(func: JobFunc) -> JobFunc:
+        declared = Job(
+            name=name,
+            func=func,
+            schedule=parsed,
+            timeout=timeout,
+            early_tolerance=early_tolerance,
+            max_lateness=max_lateness,
+            grace=grace,
+            catch_up=catch_up,
+            params=params,
+            description=(func.__doc__ or "").strip().split("\n")[0],
+            module=func.__module__,
+        )
+        previous = _DECLARED.get(name)
+        if previous is not None and previous.module != declared.module:
+            raise JobDefinitionError(
+                f"job {name!r} is declared twice ({previous.module} and {declared.module})"
+            )
+        _DECLARED[name] = declared
+        return func
+
+    return register
+
+
+@dataclass(frozen=True)
+class Registry(Mapping[str, Job]):
+    """The jobs one app serves, with their lock keys checked for collisions."""
+
+    jobs: dict[str, Job] = field(default_factory=dict)
+    namespace: int = 0
+
+    def __getitem__(self, name: str) -> Job:
+        return self.jobs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.jobs)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def key(self, name: str) -> int:
+        return lock_key(name, self.namespace).key
+
+    def by_key(self) -> dict[int, str]:
+        return {self.key(name): name for name in self.jobs}
+
+    def check_keys(self, keys: Mapping[str, int] | None = None) -> None:
+        """Refuse two jobs whose lock keys collide: they could never run at the same time,
+        and worse, `pg_locks` could not tell them apart."""
+        seen: dict[int, str] = {}
+        for name in self.jobs:
+            key = keys[name] if keys is not None else self.key(name)
+            if key in seen:
+                raise JobDefinitionError(
+                    f"jobs {seen[key]!r} and {name!r} have the same lock key {key} in "
+                    f"namespace {self.namespace}: rename one or change LOCK_NAMESPACE"
+                )
+            seen[key] = name
+
+
+def load(modules: list[str], namespace: int = 0) -> Registry:
+    """Import the job modules and collect the jobs they declare."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise JobDefinitionError(f"CRON_JOBS: cannot import {module!r}: {exc}") from exc
+    chosen = {
+        name: j
+        for name, j in _DECLARED.items()
+        if any(j.module == m or j.module.startswith(m + ".") for m in modules)
+    }
+    registry = Registry(dict(sorted(chosen.items())), namespace)
+    registry.check_keys()
+    return registry

@@ -1,0 +1,240 @@
+"""The run ledger (`cron_runs`): the only module that speaks SQL about runs.
+
+Timestamps come from the database clock: `now()` inside the lock transaction,
+`clock_timestamp()` for when a run finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from app.db import Conn
+
+COLUMNS = (
+    "id, job, slot, status, trigger, source, instance, backend_pid, started_at, finished_at,"
+    " duration_ms, params, result, error"
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    id: int
+    job: str
+    slot: datetime | None
+    status: str
+    trigger: str
+    source: str
+    instance: str
+    backend_pid: int | None
+    started_at: datetime
+    finished_at: datetime | None
+    duration_ms: float | None
+    params: Any
+    result: Any
+    error: str | None
+
+    @classmethod
+    def from_record(cls, r: asyncpg.Record) -> Run:
+        return cls(**dict(r.items()))
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "job": self.job,
+            "slot": iso(self.slot),
+            "status": self.status,
+            "trigger": self.trigger,
+            "source": self.source,
+            "instance": self.instance,
+            "started_at": iso(self.started_at),
+            "finished_at": iso(self.finished_at),
+            "duration_ms": self.duration_ms,
+            "params": self.params,
+            "result": self.result,
+            "error": self.error,
+        }
+
+
+def iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+ALREADY_DONE_SQL = """
+SELECT EXISTS (
+    SELECT 1 FROM cron_runs
+    WHERE job = $1 AND slot = $2 AND status = 'succeeded'
+      AND trigger IN ('scheduled', 'backfill')
+)
+"""
+
+
+async def already_done(conn: Conn, job: str, slot: datetime) -> bool:
+    return bool(await conn.fetchval(ALREADY_DONE_SQL, job, slot))
+
+
+START_SQL = """
+INSERT INTO cron_runs (job, slot, trigger, source, instance, backend_pid, started_at, params)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+RETURNING id
+"""
+
+
+async def start(
+    conn: Conn | asyncpg.Pool,
+    *,
+    job: str,
+    slot: datetime | None,
+    trigger: str,
+    source: str,
+    instance: str,
+    backend_pid: int,
+    started_at: datetime,
+    params: Any,
+) -> int:
+    """Record a run as `running`, committed at once (outside the lock transaction), so that a
+    run in progress can be followed, and a run whose instance died is visible afterwards."""
+    run_id = await conn.fetchval(
+        START_SQL, job, slot, trigger, source, instance, backend_pid, started_at, params
+    )
+    assert isinstance(run_id, int)
+    return run_id
+
+
+SUCCEED_SQL = """
+UPDATE cron_runs
+SET status = 'succeeded', finished_at = clock_timestamp(), result = $2,
+    duration_ms = extract(epoch FROM clock_timestamp() - started_at) * 1000
+WHERE id = $1
+RETURNING duration_ms
+"""
+
+
+async def succeed(conn: Conn, run_id: int, result: Any) -> float:
+    """Mark the run succeeded inside the job's own transaction: it commits with the job's
+    effects or not at all."""
+    duration = await conn.fetchval(SUCCEED_SQL, run_id, result)
+    return float(duration or 0.0)
+
+
+FINISH_SQL = """
+UPDATE cron_runs
+SET status = $2, error = $3, finished_at = clock_timestamp(),
+    duration_ms = extract(epoch FROM clock_timestamp() - started_at) * 1000
+WHERE id = $1 AND status IN ('running', 'abandoned')
+"""
+
+
+async def finish(conn: Conn | asyncpg.Pool, run_id: int, status: str, error: str | None) -> None:
+    """Record a run that did not succeed, in its own short transaction, after the rollback.
+
+    A `succeeded` row never changes: if the job's commit did reach the database after all, it
+    stays. An `abandoned` one does: the sweeper may have guessed between our rollback and
+    this update, and the instance that ran the job knows better.
+    """
+    await conn.execute(FINISH_SQL, run_id, status, error)
+
+
+GET_SQL = f"SELECT {COLUMNS} FROM cron_runs WHERE id = $1"
+
+
+async def get(conn: Conn | asyncpg.Pool, run_id: int) -> Run | None:
+    row = await conn.fetchrow(GET_SQL, run_id)
+    return Run.from_record(row) if row is not None else None
+
+
+LIST_SQL = f"""
+SELECT {COLUMNS} FROM cron_runs
+WHERE ($1::text IS NULL OR job = $1)
+  AND ($2::text IS NULL OR status = $2)
+  AND ($3::bigint IS NULL OR id < $3)
+ORDER BY id DESC
+LIMIT $4
+"""
+
+
+async def list_runs(
+    conn: Conn | asyncpg.Pool,
+    *,
+    job: str | None = None,
+    status: str | None = None,
+    before: int | None = None,
+    limit: int = 50,
+) -> list[Run]:
+    """Newest first; `before` is the cursor (a run id) for the next page."""
+    rows = await conn.fetch(LIST_SQL, job, status, before, limit)
+    return [Run.from_record(r) for r in rows]
+
+
+LAST_RUNS_SQL = f"""
+SELECT DISTINCT ON (job) {COLUMNS} FROM cron_runs
+WHERE job = ANY($1::text[]) AND status <> 'running'
+ORDER BY job, id DESC
+"""
+
+
+async def last_runs(conn: Conn | asyncpg.Pool, jobs: list[str]) -> dict[str, Run]:
+    rows = await conn.fetch(LAST_RUNS_SQL, jobs)
+    return {r["job"]: Run.from_record(r) for r in rows}
+
+
+SUCCEEDED_SLOTS_SQL = """
+SELECT job, slot FROM cron_runs
+WHERE status = 'succeeded' AND trigger IN ('scheduled', 'backfill')
+  AND (job, slot) IN (SELECT * FROM unnest($1::text[], $2::timestamptz[]))
+"""
+
+
+async def succeeded_slots(
+    conn: Conn | asyncpg.Pool, pairs: list[tuple[str, datetime]]
+) -> set[tuple[str, datetime]]:
+    if not pairs:
+        return set()
+    rows = await conn.fetch(SUCCEEDED_SLOTS_SQL, [p[0] for p in pairs], [p[1] for p in pairs])
+    return {(r["job"], r["slot"]) for r in rows}
+
+
+# A `running` row whose job holds no advisory lock any more was left by an instance that died
+# (kill -9, lost connection): its transaction rolled back, so nothing of it persisted.
+ABANDON_SQL = """
+UPDATE cron_runs r
+SET status = 'abandoned', finished_at = clock_timestamp(),
+    error = 'the instance running it went away; its transaction rolled back'
+WHERE r.status = 'running'
+  AND r.started_at < now() - make_interval(secs => $3)
+  AND NOT EXISTS (
+      SELECT 1 FROM pg_locks l
+      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        AND ((l.classid::bigint << 32) | l.objid::bigint)
+            = hashtextextended(r.job, $1)
+  )
+  AND ($2::text IS NULL OR r.job = $2)
+RETURNING r.id
+"""
+
+
+async def close_abandoned(
+    conn: Conn | asyncpg.Pool,
+    namespace: int,
+    job: str | None = None,
+    min_age: float = 1.0,
+) -> list[int]:
+    """Close `running` rows whose lock is gone; `min_age` spares a run whose row was committed
+    a moment before its lock transaction was seen."""
+    rows = await conn.fetch(ABANDON_SQL, namespace, job, min_age)
+    return [r["id"] for r in rows]
+
+
+PRUNE_SQL = """
+DELETE FROM cron_runs
+WHERE status <> 'running' AND started_at < now() - make_interval(days => 0, secs => $1)
+"""
+
+
+async def prune(conn: Conn | asyncpg.Pool, retention_seconds: float) -> int:
+    status = await conn.execute(PRUNE_SQL, retention_seconds)
+    return int(status.split()[-1])

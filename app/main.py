@@ -1,0 +1,110 @@
+"""The app factory: `uvicorn --factory app.main:create_app`. Nothing happens at import time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator
+from typing import TypedDict
+
+from fastapi import FastAPI
+
+from app import __version__, api, logs
+from app.auth import BearerAuth
+from app.db import Database
+from app.errors import JobDefinitionError
+from app.jobs import Registry, load
+from app.runner import Runner
+from app.settings import Settings, SettingsError
+
+log = logging.getLogger("cronlock")
+
+
+class State(TypedDict):
+    settings: Settings
+    registry: Registry
+    db: Database
+    runner: Runner
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the service. Refuses (SystemExit with the reason when started by uvicorn) to start
+    without a usable secret, or with jobs that are declared wrongly."""
+    from_env = settings is None
+    try:
+        settings = settings or Settings()
+        settings.check_secrets()
+        registry = load(settings.job_modules, settings.lock_namespace)
+    except (SettingsError, JobDefinitionError) as exc:
+        if from_env:
+            print(f"cronlock: cannot start: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
+    if from_env:
+        logs.setup(settings.log_format, settings.log_level)
+    return build(settings, registry)
+
+
+def build(settings: Settings, registry: Registry) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[State]:
+        db = Database(settings)
+        await db.open()
+        runner = Runner(settings, registry, db)
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(db.watch(stop), name="db-watch")]
+        if settings.outbox_enabled:
+            tasks.append(asyncio.create_task(_deliver(db, settings, stop), name="outbox"))
+        log.info(
+            "cronlock %s started",
+            __version__,
+            extra={"instance": settings.instance_name, "jobs": list(registry)},
+        )
+        try:
+            yield {"settings": settings, "registry": registry, "db": db, "runner": runner}
+        finally:
+            stop.set()
+            await runner.shutdown(settings.graceful_shutdown_timeout)
+            await asyncio.wait(tasks, timeout=settings.outbox_shutdown_timeout + 1)
+            for task in tasks:
+                task.cancel()
+            await db.close()
+
+    app = FastAPI(
+        title="cronlock",
+        version=__version__,
+        description="Scheduled jobs that run exactly once across instances.",
+        lifespan=lifespan,
+    )
+    api.install(app, registry, settings)
+    tokens = settings.secrets()
+    app.add_middleware(
+        BearerAuth,
+        run_tokens=tokens,
+        read_tokens=_token(settings.cron_read_token),
+        metrics_tokens=_token(settings.metrics_token),
+    )
+    return app
+
+
+def _token(secret: object) -> list[bytes]:
+    value = getattr(secret, "get_secret_value", None)
+    return [value().encode()] if value is not None else []
+
+
+async def _deliver(db: Database, settings: Settings, stop: asyncio.Event) -> None:
+    """The outbox delivery loop of this instance; it waits for the database like everything
+    else and never takes the service down with it."""
+    from app import outbox
+
+    while not stop.is_set():
+        try:
+            await outbox.run_in_app(db.pool, settings, stop)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("outbox delivery loop failed; restarting it")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), settings.outbox_poll_interval)

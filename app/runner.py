@@ -1,0 +1,358 @@
+"""One trigger, start to end: lock -> slot check -> run -> ledger, on one connection and one
+transaction.
+
+The advisory lock is transaction-level, so it lives exactly as long as the transaction that
+also carries the job's writes and its succeeded ledger row: commit publishes all three, and
+anything else (an exception, a timeout, a killed instance, a dropped connection) rolls all of
+them back and frees the lock with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+import asyncpg
+
+from app import ledger
+from app.db import CONNECTION_ERRORS, Conn, Database, describe
+from app.errors import DatabaseUnavailable, InvalidTrigger
+from app.jobs import Job, JobContext, Registry, Trigger
+from app.lock import try_lock
+from app.settings import Settings
+
+log = logging.getLogger("cronlock.run")
+
+COMMIT_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
+
+Kind = Literal["succeeded", "skipped", "accepted", "failed", "timed_out", "cancelled"]
+
+
+@dataclass
+class Outcome:
+    job: str
+    kind: Kind
+    run_id: int | None = None
+    slot: datetime | None = None
+    processed: Any = None
+    duration_ms: float | None = None
+    reason: str | None = None
+    trigger: Trigger = "scheduled"
+
+
+@dataclass
+class _Lease:
+    """A won lock: the connection, its open transaction and the recorded run."""
+
+    job: Job
+    conn: asyncpg.pool.PoolConnectionProxy
+    tx: asyncpg.transaction.Transaction
+    ctx: JobContext
+    started: float = field(default_factory=time.monotonic)
+
+
+class Runner:
+    def __init__(self, settings: Settings, registry: Registry, db: Database) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.db = db
+        # Jobs this instance is running (or deciding about) now: a second trigger for one of
+        # them is answered "already running" without touching the database, so skips stay
+        # answerable even when long jobs hold every pooled connection.
+        self.local: dict[str, int | None] = {}
+        # The newest slot known to have succeeded, per job: a succeeded (job, slot) row is
+        # never undone, so once seen it needs no second look.
+        self.done: dict[str, datetime] = {}
+        self.background: set[asyncio.Task[Outcome]] = set()
+
+    async def trigger(
+        self,
+        job: Job,
+        *,
+        force: bool = False,
+        slot: datetime | None = None,
+        params: Any = None,
+        wait: bool = True,
+        source: str = "http",
+    ) -> Outcome:
+        """Run `job` if it is not running anywhere and its slot is not done yet."""
+        trigger: Trigger = "manual" if force else "backfill" if slot is not None else "scheduled"
+        if slot is not None:
+            self._check_backfill_slot(job, slot, force)
+        if job.name in self.local:
+            return self._skip(job, "already running", None, trigger, source)
+        self.local[job.name] = None
+        handed_off = False
+        try:
+            lease_or_skip = await self._acquire(job, trigger, slot, params, source)
+            if isinstance(lease_or_skip, Outcome):
+                return lease_or_skip
+            lease = lease_or_skip
+            self.local[job.name] = lease.ctx.run_id
+            if not wait:
+                task = asyncio.create_task(self._finish(lease, source))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
+                handed_off = True
+                return Outcome(
+                    job.name, "accepted", lease.ctx.run_id, lease.ctx.slot, trigger=trigger
+                )
+            return await self._finish(lease, source)
+        finally:
+            if not handed_off:
+                self.local.pop(job.name, None)
+
+    def _check_backfill_slot(self, job: Job, slot: datetime, force: bool) -> None:
+        if force:
+            raise InvalidTrigger("force and slot cannot be combined")
+        if job.schedule is None:
+            raise InvalidTrigger(f"job {job.name!r} has no schedule: there is no slot to backfill")
+        if slot.tzinfo is None:
+            raise InvalidTrigger("slot needs a time zone offset, e.g. 2026-01-01T07:00:00Z")
+        if not job.schedule.is_tick(slot):
+            raise InvalidTrigger(f"{slot.isoformat()} is not a tick of {job.schedule.expr!r}")
+
+    async def _acquire(
+        self, job: Job, trigger: Trigger, backfill: datetime | None, params: Any, source: str
+    ) -> _Lease | Outcome:
+        self.db.require_ready()
+        conn = await self.db.acquire()
+        tx: asyncpg.transaction.Transaction | None = None
+        handed_over = False
+        try:
+            tx = conn.transaction()
+            await tx.start()
+            row = await try_lock(
+                conn,
+                job.name,
+                self.settings.lock_namespace,
+                db_timeout=job.timeout + self.settings.db_timeout_margin,
+                client_check_interval=self.settings.db_client_check_interval,
+                server_version=self.db.server_version,
+            )
+            if row["standby"]:
+                self.db.standby, self.db.migrated = True, False
+                raise DatabaseUnavailable(
+                    "database is a standby: advisory locks there do not coordinate with the "
+                    "primary, so jobs are refused"
+                )
+            if not row["locked"]:
+                return self._skip(job, "already running", None, trigger, source)
+            now: datetime = row["db_now"]
+            skip, slot = await self._slot(conn, job, trigger, backfill, now)
+            if skip is not None:
+                return self._skip(job, skip, slot, trigger, source)
+            run_id = await ledger.start(
+                self.db.pool,
+                job=job.name,
+                slot=slot,
+                trigger=trigger,
+                source=source,
+                instance=self.settings.instance_name,
+                backend_pid=row["backend_pid"],
+                started_at=now,
+                params=params.model_dump(mode="json") if hasattr(params, "model_dump") else None,
+            )
+            ctx = JobContext(
+                conn=conn,
+                job=job,
+                run_id=run_id,
+                slot=slot,
+                now=now,
+                params=params,
+                trigger=trigger,
+                instance=self.settings.instance_name,
+            )
+            handed_over = True
+            return _Lease(job, conn, tx, ctx)
+        except CONNECTION_ERRORS as exc:
+            raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
+        except asyncpg.PostgresError as exc:
+            raise DatabaseUnavailable(f"database error: {describe(exc)}") from exc
+        finally:
+            if not handed_over:
+                await self._close(conn, tx)
+
+    async def _slot(
+        self,
+        conn: Conn,
+        job: Job,
+        trigger: Trigger,
+        backfill: datetime | None,
+        now: datetime,
+    ) -> tuple[str | None, datetime | None]:
+        """The slot this run is for, and the reason to skip it, if any."""
+        if job.schedule is None:
+            return None, None
+        if trigger == "backfill":
+            assert backfill is not None
+            if backfill > now:
+                raise InvalidTrigger("a backfill slot must be in the past")
+            if (now - backfill).total_seconds() > self.settings.backfill_window:
+                raise InvalidTrigger(
+                    f"slot is older than the backfill window ({self.settings.backfill_window} s)"
+                )
+            slot = backfill
+        else:
+            slot = job.schedule.slot_for(now, job.early_tolerance)
+            if trigger == "manual":
+                return None, slot
+        if self.done.get(job.name) == slot or await ledger.already_done(conn, job.name, slot):
+            self.done[job.name] = slot
+            return "already done", slot
+        late = job.max_lateness is not None and now - slot > timedelta(seconds=job.max_lateness)
+        if trigger == "scheduled" and late:
+            return "too late", slot
+        return None, slot
+
+    async def _finish(self, lease: _Lease, source: str) -> Outcome:
+        """Run the job under its lease and settle the ledger, whatever happens."""
+        job, conn, ctx = lease.job, lease.conn, lease.ctx
+        try:
+            task: asyncio.Task[Any] = asyncio.create_task(
+                job.func(ctx), name=f"job:{job.name}:{ctx.run_id}"
+            )
+            try:
+                done, _ = await asyncio.wait({task}, timeout=job.timeout)
+            except asyncio.CancelledError:
+                # Shutdown past its grace period: roll back and record why, then go.
+                await self._abort(lease, task, "cancelled", "instance shut down while running")
+                raise
+            if not done:
+                await self._abort(
+                    lease, task, "timed_out", f"exceeded its timeout of {job.timeout} s"
+                )
+                return self._outcome(lease, "timed_out", source)
+            error = task.exception()
+            if error is None:
+                processed = task.result()
+                try:
+                    result = json.loads(json.dumps(processed))
+                except (TypeError, ValueError):
+                    error = TypeError(f"returned {type(processed).__name__}, not a JSON value")
+                else:
+                    return await self._commit(lease, result, source)
+            await self._rollback(lease, "failed", f"{type(error).__name__}: {error}"[:2000])
+            return self._outcome(lease, "failed", source, reason=str(error)[:200])
+        finally:
+            self.local.pop(job.name, None)
+            await self.db.release(conn)
+
+    async def _commit(self, lease: _Lease, result: Any, source: str) -> Outcome:
+        try:
+            duration = await ledger.succeed(lease.conn, lease.ctx.run_id, result)
+            await lease.tx.commit()
+        except COMMIT_ERRORS as exc:
+            # Whether the commit landed is unknown when the connection broke during it: the
+            # conditional update in `ledger.finish` leaves a succeeded row alone.
+            await self._rollback(lease, "failed", f"commit failed: {describe(exc)}")
+            return self._outcome(lease, "failed", source, reason=describe(exc))
+        if lease.ctx.slot is not None and lease.ctx.trigger != "manual":
+            self.done[lease.job.name] = max(
+                self.done.get(lease.job.name, lease.ctx.slot), lease.ctx.slot
+            )
+        return self._outcome(lease, "succeeded", source, processed=result, duration=duration)
+
+    async def _rollback(self, lease: _Lease, status: str, error: str) -> None:
+        try:
+            await lease.tx.rollback()
+        except Exception:  # the connection is gone: the server rolled back for us
+            lease.conn.terminate()
+        await self._record(lease.ctx.run_id, status, error)
+
+    async def _abort(self, lease: _Lease, task: asyncio.Task[Any], status: str, error: str) -> None:
+        # Closing the socket ends the transaction server-side at once (and, with
+        # client_connection_check_interval, even a statement that is still running), without
+        # the cancel request that asyncpg would send through PgBouncer on task cancellation.
+        lease.conn.terminate()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait({task}, timeout=1.0)
+        await asyncio.shield(self._record(lease.ctx.run_id, status, error))
+
+    async def _record(self, run_id: int, status: str, error: str) -> None:
+        try:
+            await asyncio.wait_for(
+                ledger.finish(self.db.pool, run_id, status, error),
+                self.settings.db_acquire_timeout + self.settings.db_connect_timeout,
+            )
+        except Exception as exc:
+            # The row stays `running` and is closed as `abandoned` once its lock is seen gone.
+            log.warning("could not record run %s as %s: %s", run_id, status, describe(exc))
+
+    def _outcome(
+        self,
+        lease: _Lease,
+        kind: Kind,
+        source: str,
+        *,
+        processed: Any = None,
+        duration: float | None = None,
+        reason: str | None = None,
+    ) -> Outcome:
+        if duration is None:
+            duration = (time.monotonic() - lease.started) * 1000
+        outcome = Outcome(
+            lease.job.name,
+            kind,
+            lease.ctx.run_id,
+            lease.ctx.slot,
+            processed,
+            round(duration, 3),
+            reason,
+            lease.ctx.trigger,
+        )
+        self._log(outcome, source)
+        return outcome
+
+    def _skip(
+        self, job: Job, reason: str, slot: datetime | None, trigger: Trigger, source: str
+    ) -> Outcome:
+        outcome = Outcome(job.name, "skipped", slot=slot, reason=reason, trigger=trigger)
+        self._log(outcome, source)
+        return outcome
+
+    def _log(self, outcome: Outcome, source: str) -> None:
+        log.info(
+            "%s %s",
+            outcome.job,
+            outcome.kind,
+            extra={
+                "event": "run" if outcome.run_id else "trigger",
+                "job": outcome.job,
+                "outcome": outcome.kind,
+                "reason": outcome.reason,
+                "run_id": outcome.run_id,
+                "slot": outcome.slot.isoformat() if outcome.slot else None,
+                "duration_ms": outcome.duration_ms,
+                "instance": self.settings.instance_name,
+                "trigger": outcome.trigger,
+                "source": source,
+            },
+        )
+
+    async def _close(
+        self, conn: asyncpg.pool.PoolConnectionProxy, tx: asyncpg.transaction.Transaction | None
+    ) -> None:
+        if tx is not None:
+            try:
+                await tx.rollback()
+            except Exception:
+                conn.terminate()
+        await self.db.release(conn)
+
+    async def shutdown(self, grace: float) -> None:
+        """Give background runs (`wait=false`) their grace period, then cancel them."""
+        if not self.background:
+            return
+        _, pending = await asyncio.wait(set(self.background), timeout=grace)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)

@@ -1,0 +1,116 @@
+"""Jobs the tests trigger (CRON_JOBS=tests.jobs). Each writes its effect through ctx.conn, so
+a test can count effects in the `job_effects` table."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pydantic import BaseModel, Field
+
+from app.jobs import JobContext, job
+
+EFFECTS_SQL = """
+CREATE TABLE IF NOT EXISTS job_effects (
+    id     bigserial PRIMARY KEY,
+    job    text NOT NULL,
+    run_id bigint NOT NULL,
+    slot   timestamptz,
+    at     timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+async def record(ctx: JobContext) -> None:
+    # Creating the table is serialised with a lock of its own: two different jobs may run at
+    # once, and CREATE TABLE IF NOT EXISTS races with itself.
+    await ctx.conn.execute("SELECT pg_advisory_xact_lock(424242)")
+    await ctx.conn.execute(EFFECTS_SQL)
+    await ctx.conn.execute(
+        "INSERT INTO job_effects (job, run_id, slot) VALUES ($1, $2, $3)",
+        ctx.job.name,
+        ctx.run_id,
+        ctx.slot,
+    )
+
+
+class Sleep(BaseModel):
+    seconds: float = Field(default=0.0, ge=0, le=30)
+
+
+@job("fast")
+async def fast(ctx: JobContext) -> int:
+    """Record one effect and return at once."""
+    await record(ctx)
+    return 1
+
+
+@job("slow", params=Sleep, timeout=20)
+async def slow(ctx: JobContext) -> dict[str, float]:
+    """Record one effect, then hold the lock for `seconds`."""
+    await record(ctx)
+    await asyncio.sleep(ctx.params.seconds)
+    return {"slept": ctx.params.seconds}
+
+
+@job("slow-sql", params=Sleep, timeout=20)
+async def slow_sql(ctx: JobContext) -> int:
+    """Like slow, but the wait is a statement running in the database."""
+    await record(ctx)
+    await ctx.conn.execute("SELECT pg_sleep($1)", ctx.params.seconds)
+    return 1
+
+
+@job("minutely", schedule="* * * * *", early_tolerance=2.0)
+async def minutely(ctx: JobContext) -> int:
+    await record(ctx)
+    return 1
+
+
+@job("late-minutely", schedule="* * * * *", max_lateness=0.001, early_tolerance=0.0)
+async def late_minutely(ctx: JobContext) -> int:
+    await record(ctx)
+    return 1
+
+
+@job("yearly", schedule="0 0 1 1 *")
+async def yearly(ctx: JobContext) -> int:
+    await record(ctx)
+    return 1
+
+
+@job("fails")
+async def fails(ctx: JobContext) -> int:
+    """Write, then raise: nothing of it may persist."""
+    await record(ctx)
+    raise RuntimeError("boom")
+
+
+@job("sql-fails")
+async def sql_fails(ctx: JobContext) -> int:
+    """Write, then run a failing statement: the transaction aborts."""
+    await record(ctx)
+    await ctx.conn.execute("SELECT 1/0")
+    return 1
+
+
+@job("times-out", params=Sleep, timeout=0.5)
+async def times_out(ctx: JobContext) -> int:
+    """Write, then sleep past the 0.5 s timeout."""
+    await record(ctx)
+    await asyncio.sleep(ctx.params.seconds or 10)
+    return 1
+
+
+@job("blocks-loop", params=Sleep, timeout=0.5)
+async def blocks_loop(ctx: JobContext) -> int:
+    """Write, then block the event loop: only the database's timeouts can free the lock."""
+    await record(ctx)
+    time.sleep(ctx.params.seconds or 3)  # noqa: ASYNC251 - blocking the loop is the point
+    return 1
+
+
+@job("bad-result")
+async def bad_result(ctx: JobContext) -> object:
+    await record(ctx)
+    return object()
