@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import AwareDatetime, BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app import ops
 from app.db import Database
 from app.errors import DatabaseUnavailable, InvalidTrigger
 from app.jobs import Job, Registry
@@ -242,6 +243,7 @@ async def readyz(db: DatabaseDep, settings: SettingsDep) -> Response:
 
 def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
     app.include_router(health_router)
+    app.include_router(ops.router)
     app.include_router(job_router(registry, settings))
 
     # Anything under /cron/ that is not a route: an unknown job (404), or a known job asked
