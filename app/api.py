@@ -10,25 +10,23 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import AwareDatetime, BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import ops
-from app.db import Database
+from app.deps import DatabaseDep, RunnerDep, SettingsDep, error
 from app.errors import DatabaseUnavailable, InvalidTrigger
 from app.jobs import Job, Registry
 from app.ledger import iso
-from app.runner import Outcome, Runner
+from app.runner import Outcome
 from app.settings import Settings
 
 log = logging.getLogger("cronlock.api")
-
-RETRY_AFTER_SECONDS = "5"
 
 
 class TriggerQuery(BaseModel):
@@ -43,31 +41,6 @@ class TriggerQuery(BaseModel):
 
 class RequestTooLarge(Exception):
     pass
-
-
-def get_runner(request: Request) -> Runner:
-    runner: Runner = request.state.runner
-    return runner
-
-
-def get_db(request: Request) -> Database:
-    db: Database = request.state.db
-    return db
-
-
-def get_settings(request: Request) -> Settings:
-    settings: Settings = request.state.settings
-    return settings
-
-
-RunnerDep = Annotated[Runner, Depends(get_runner)]
-DatabaseDep = Annotated[Database, Depends(get_db)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-
-
-def error(status: int, message: str, **extra: Any) -> JSONResponse:
-    headers = {"Retry-After": RETRY_AFTER_SECONDS} if status == 503 else None
-    return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -1,0 +1,47 @@
+"""What route handlers get from the app's lifespan state, as `Annotated` dependencies."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse
+
+from app.db import Database
+from app.jobs import Registry
+from app.runner import Runner
+from app.settings import Settings
+
+RETRY_AFTER_SECONDS = "5"
+
+
+def get_runner(request: Request) -> Runner:
+    runner: Runner = request.state.runner
+    return runner
+
+
+def get_db(request: Request) -> Database:
+    db: Database = request.state.db
+    return db
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.state.settings
+    return settings
+
+
+def get_registry(request: Request) -> Registry:
+    registry: Registry = request.state.registry
+    return registry
+
+
+RunnerDep = Annotated[Runner, Depends(get_runner)]
+DatabaseDep = Annotated[Database, Depends(get_db)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+RegistryDep = Annotated[Registry, Depends(get_registry)]
+
+
+def error(status: int, message: str, **extra: Any) -> JSONResponse:
+    """Every error answer: `{"error": ..., **extra}`; a 503 says when to retry."""
+    headers = {"Retry-After": RETRY_AFTER_SECONDS} if status == 503 else None
+    return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
