@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The value `.env.example` ships with: a service started with it must refuse, never run.
@@ -98,6 +98,14 @@ class Settings(BaseSettings):
     smtp_username: str | None = None
     smtp_password: SecretStr | None = None
     smtp_starttls: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_default(cls, data: Any) -> Any:
+        # `KEY=` in .env or the environment means "not set", as it does in .env.example.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (isinstance(v, str) and v == "")}
+        return data
 
     @field_validator("cron_secret", "cron_secret_previous", "cron_read_token", "metrics_token")
     @classmethod
