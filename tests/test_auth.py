@@ -1,0 +1,65 @@
+"""The Bearer check on its own: parsing, constant-time matching, which paths need what."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.auth import Access, bearer_token, matches, required_access
+
+SECRET = b"s" * 40
+
+
+@pytest.mark.parametrize(
+    ("header", "token"),
+    [
+        (b"Bearer abc", b"abc"),
+        (b"bearer abc", b"abc"),
+        (b"BEARER abc", b"abc"),
+        (b"Bearer", None),
+        (b"Bearer ", None),
+        (b"Bearer  abc", None),
+        (b"Bearer abc def", None),
+        (b"Bearer\tabc", None),
+        (b"Basic abc", None),
+        (b"", None),
+        (None, None),
+        (b"Bearer \xc3\xa9t\xc3\xa9", b"\xc3\xa9t\xc3\xa9"),
+    ],
+)
+def test_bearer_token_parsing(header: bytes | None, token: bytes | None) -> None:
+    assert bearer_token(header) == token
+
+
+def test_matches_any_candidate_and_nothing_else() -> None:
+    assert matches(SECRET, [SECRET])
+    assert matches(SECRET, [b"x" * 40, SECRET])
+    assert not matches(SECRET + b"x", [SECRET])
+    assert not matches(SECRET[:-1], [SECRET])
+    assert not matches(b"", [SECRET])
+    assert not matches(SECRET, [])
+    # Non-ASCII bytes are compared like any others: no exception, no match.
+    assert not matches("é".encode() * 20, [SECRET])
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "access"),
+    [
+        ("POST", "/cron/daily-digest", Access.RUN),
+        ("GET", "/cron/daily-digest", Access.RUN),
+        ("POST", "/cron/jobs", Access.RUN),
+        ("GET", "/cron/jobs", Access.READ),
+        ("GET", "/cron/runs", Access.READ),
+        ("GET", "/cron/runs/12", Access.READ),
+        ("GET", "/cron/locks", Access.READ),
+        ("GET", "/openapi.json", Access.READ),
+        ("GET", "/docs", Access.READ),
+        ("GET", "/redoc", Access.READ),
+        ("GET", "/metrics", Access.METRICS),
+        ("GET", "/healthz", Access.OPEN),
+        ("GET", "/readyz", Access.OPEN),
+        ("GET", "/cron", Access.RUN),
+        ("GET", "/cron/../openapi.json", Access.RUN),
+    ],
+)
+def test_required_access(method: str, path: str, access: Access) -> None:
+    assert required_access(method, path) is access
