@@ -168,3 +168,25 @@ async def try_lock(
     )
     assert row is not None
     return row
+
+
+# A read-only look, outside any transaction, before the real attempt: is the job's lock held
+# right now (by anyone), and what time is it on the database? It answers the common "already
+# running" storm in one statement and never takes the lock itself: a probe that briefly held
+# it could make the one real attempt fail and then nobody would run the job.
+PROBE_SQL = """
+SELECT now() AS db_now,
+       pg_is_in_recovery() AS standby,
+       EXISTS (
+           SELECT 1 FROM pg_locks
+           WHERE locktype = 'advisory' AND granted AND objsubid = 1
+             AND classid = $1 AND objid = $2
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       ) AS running
+"""
+
+
+async def probe(conn: Conn, key: LockKey) -> asyncpg.Record:
+    row = await conn.fetchrow(PROBE_SQL, key.classid, key.objid)
+    assert row is not None
+    return row

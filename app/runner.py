@@ -24,12 +24,17 @@ from app import ledger
 from app.db import CONNECTION_ERRORS, Conn, Database, describe
 from app.errors import DatabaseUnavailable, InvalidTrigger
 from app.jobs import Job, JobContext, Registry, Trigger
-from app.lock import try_lock
+from app.lock import LockKey, lock_key, probe, try_lock, verify_keys
 from app.settings import Settings
 
 log = logging.getLogger("cronlock.run")
 
 COMMIT_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
+
+STANDBY_REASON = (
+    "database is a standby: advisory locks there do not coordinate with the primary, "
+    "so jobs are refused"
+)
 
 Kind = Literal["succeeded", "skipped", "accepted", "failed", "timed_out", "cancelled"]
 
@@ -70,6 +75,11 @@ class Runner:
         # never undone, so once seen it needs no second look.
         self.done: dict[str, datetime] = {}
         self.background: set[asyncio.Task[Outcome]] = set()
+        # Lock keys as computed here; checked against the server's once (see `_probe`).
+        self.probe_keys: dict[str, LockKey] | None = {
+            name: lock_key(name, settings.lock_namespace) for name in registry
+        }
+        self._keys_checked = False
 
     async def trigger(
         self,
@@ -90,6 +100,10 @@ class Runner:
         self.local[job.name] = None
         handed_off = False
         try:
+            if trigger == "scheduled" and self.probe_keys:
+                skipped = await self._probe(job, source)
+                if skipped is not None:
+                    return skipped
             lease_or_skip = await self._acquire(job, trigger, slot, params, source)
             if isinstance(lease_or_skip, Outcome):
                 return lease_or_skip
@@ -107,6 +121,43 @@ class Runner:
         finally:
             if not handed_off:
                 self.local.pop(job.name, None)
+
+    async def _probe(self, job: Job, source: str) -> Outcome | None:
+        """The cheap first look: skip without a transaction when the lock is visibly held or
+        this instance already knows the slot is done; None means "go and try for real"."""
+        self.db.require_ready()
+        assert self.probe_keys is not None
+        conn = await self.db.acquire()
+        try:
+            if not self._keys_checked:
+                await self._check_keys(conn)
+                if self.probe_keys is None:
+                    return None
+            row = await probe(conn, self.probe_keys[job.name])
+        except CONNECTION_ERRORS as exc:
+            raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
+        except asyncpg.PostgresError as exc:
+            raise DatabaseUnavailable(f"database error: {describe(exc)}") from exc
+        finally:
+            await self.db.release(conn)
+        if row["standby"]:
+            raise DatabaseUnavailable(STANDBY_REASON)
+        if row["running"]:
+            return self._skip(job, "already running", None, "scheduled", source)
+        if job.schedule is not None:
+            slot = job.schedule.slot_for(row["db_now"], job.early_tolerance)
+            if self.done.get(job.name) == slot:
+                return self._skip(job, "already done", slot, "scheduled", source)
+        return None
+
+    async def _check_keys(self, conn: Conn) -> None:
+        assert self.probe_keys is not None
+        server = await verify_keys(conn, list(self.probe_keys), self.settings.lock_namespace)
+        if any(server[name] != key.key for name, key in self.probe_keys.items()):
+            # A big-endian server hashes differently: keep to the lock statement alone.
+            log.warning("lock keys computed here differ from the server's; probe disabled")
+            self.probe_keys = None
+        self._keys_checked = True
 
     def _check_backfill_slot(self, job: Job, slot: datetime, force: bool) -> None:
         if force:
@@ -138,10 +189,7 @@ class Runner:
             )
             if row["standby"]:
                 self.db.standby, self.db.migrated = True, False
-                raise DatabaseUnavailable(
-                    "database is a standby: advisory locks there do not coordinate with the "
-                    "primary, so jobs are refused"
-                )
+                raise DatabaseUnavailable(STANDBY_REASON)
             if not row["locked"]:
                 return self._skip(job, "already running", None, trigger, source)
             now: datetime = row["db_now"]

@@ -114,3 +114,11 @@ async def blocks_loop(ctx: JobContext) -> int:
 async def bad_result(ctx: JobContext) -> object:
     await record(ctx)
     return object()
+
+
+@job("held", params=Sleep, timeout=2)
+async def held(ctx: JobContext) -> int:
+    """Write, then hold the lock idle in transaction (the database waits for this client)."""
+    await record(ctx)
+    await asyncio.sleep(ctx.params.seconds)
+    return 1

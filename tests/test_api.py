@@ -1,0 +1,207 @@
+"""The HTTP contract of a real instance: auth first, then 404/405, 413, 422, then the run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.support import TEST_SECRET
+from tests.util import AUTH, effects, lock_held, post, runs
+
+PREVIOUS = "p" * 40
+
+Starter = Callable[..., Any]
+
+
+@pytest.fixture
+async def instance(start_instance: Starter) -> Any:
+    return start_instance("api", {"CRON_SECRET_PREVIOUS": PREVIOUS, "MAX_BODY_BYTES": "1024"})
+
+
+@pytest.fixture
+async def client() -> Any:
+    async with httpx.AsyncClient(timeout=30) as c:
+        yield c
+
+
+BAD_AUTH = [
+    {},
+    {"Authorization": ""},
+    {"Authorization": "Bearer"},
+    {"Authorization": "Bearer "},
+    {"Authorization": f"Bearer  {TEST_SECRET}"},
+    {"Authorization": f"Bearer {TEST_SECRET} extra"},
+    {"Authorization": f"Basic {TEST_SECRET}"},
+    {"Authorization": f"Bearer {TEST_SECRET}x"},
+    {"Authorization": f"Bearer {TEST_SECRET[:-1]}"},
+    {"Authorization": "Bearer " + "a" * 10_000},
+    {"Authorization": TEST_SECRET},
+]
+
+
+async def test_bad_credentials_get_401_before_anything(instance: Any, client: Any) -> None:
+    for headers in BAD_AUTH:
+        for path in ("/cron/fast", "/cron/no-such-job", "/openapi.json", "/cron/jobs"):
+            r = await client.post(instance.url + path, headers=headers)
+            assert r.status_code == 401, (headers, path)
+            assert r.json() == {"error": "Unauthorized"}
+            assert r.headers["www-authenticate"] == "Bearer"
+
+
+async def test_non_ascii_token_is_401_not_500(instance: Any, client: Any) -> None:
+    raw = "Bearer ".encode() + "é".encode() * 30
+    r = await client.post(instance.url + "/cron/fast", headers={"Authorization": raw})
+    assert r.status_code == 401
+
+
+async def test_token_in_query_string_is_ignored(instance: Any, client: Any) -> None:
+    r = await client.post(
+        instance.url + "/cron/fast", params={"token": TEST_SECRET, "access_token": TEST_SECRET}
+    )
+    assert r.status_code == 401
+
+
+async def test_scheme_is_case_insensitive_and_previous_secret_works(
+    instance: Any, client: Any, db: asyncpg.Connection
+) -> None:
+    for header in (f"bearer {TEST_SECRET}", f"BEARER {TEST_SECRET}", f"Bearer {PREVIOUS}"):
+        r = await client.post(
+            instance.url + "/cron/fast", headers={"Authorization": header}
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["processed"] == 1
+    assert await effects(db, "fast") == 3
+
+
+async def test_unknown_job_404_and_wrong_method_405(instance: Any, client: Any) -> None:
+    r = await post(client, instance.url + "/cron/no-such-job")
+    assert r.status_code == 404
+    assert r.json()["error"] == "unknown job"
+    for tricky in ("fast;DROP TABLE cron_runs", "..%2F..%2Fetc%2Fpasswd", "fast'--", "a/b/c"):
+        r = await post(client, instance.url + "/cron/" + tricky)
+        assert r.status_code == 404, tricky
+    r = await client.get(instance.url + "/cron/fast", headers=AUTH)
+    assert r.status_code == 405
+    assert r.headers["allow"] == "POST"
+    r = await client.delete(instance.url + "/cron/fast", headers=AUTH)
+    assert r.status_code == 405
+
+
+async def test_reserved_names_are_not_jobs(instance: Any, client: Any) -> None:
+    for name in ("jobs", "runs", "locks"):
+        r = await post(client, instance.url + "/cron/" + name)
+        assert r.status_code in (404, 405), name
+
+
+async def test_body_too_large_is_413_before_422(instance: Any, client: Any) -> None:
+    big = b"{" * 2000  # too large and not JSON: the size answers first
+    r = await client.post(instance.url + "/cron/slow", content=big, headers=AUTH)
+    assert r.status_code == 413
+    r = await client.post(
+        instance.url + "/cron/slow?force=notabool", content=b"x" * 2000, headers=AUTH
+    )
+    assert r.status_code == 413
+
+
+async def test_invalid_input_is_422_and_takes_no_lock(
+    instance: Any, client: Any, db: asyncpg.Connection
+) -> None:
+    r = await client.post(instance.url + "/cron/slow", content=b"{not json", headers=AUTH)
+    assert r.status_code == 422
+    r = await post(client, instance.url + "/cron/slow", json={"seconds": "long"})
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["seconds"]
+    r = await post(client, instance.url + "/cron/slow", json={"seconds": 99})
+    assert r.status_code == 422
+    r = await post(client, instance.url + "/cron/slow?force=perhaps")
+    assert r.status_code == 422
+    r = await post(client, instance.url + "/cron/yearly?slot=yesterday")
+    assert r.status_code == 422
+    assert await runs(db, "slow") == []
+
+
+async def test_openapi_lists_jobs_behind_auth(instance: Any, client: Any) -> None:
+    r = await client.get(instance.url + "/openapi.json")
+    assert r.status_code == 401
+    r = await client.get(instance.url + "/openapi.json", headers=AUTH)
+    assert r.status_code == 200
+    paths = r.json()["paths"]
+    for name in ("fast", "slow", "yearly", "minutely"):
+        assert "post" in paths[f"/cron/{name}"]
+    slow = paths["/cron/slow"]["post"]
+    assert slow["requestBody"]["content"]["application/json"]["schema"]["properties"]["seconds"]
+
+
+async def test_health_is_open(instance: Any, client: Any) -> None:
+    assert (await client.get(instance.url + "/healthz")).json() == {"status": "ok"}
+    r = await client.get(instance.url + "/readyz")
+    assert r.status_code == 200
+    assert r.json()["status"] == "ready"
+
+
+async def test_get_trigger_is_opt_in(start_instance: Starter, client: Any) -> None:
+    i = start_instance("get", {"CRON_ALLOW_GET": "true"})
+    r = await client.get(i.url + "/cron/fast", headers=AUTH)
+    assert r.status_code == 200
+    assert r.json()["processed"] == 1
+    r = await client.get(i.url + "/cron/fast")
+    assert r.status_code == 401
+
+
+async def test_job_failure_is_500_with_run_id_and_leaves_nothing(
+    instance: Any, client: Any, db: asyncpg.Connection
+) -> None:
+    for job in ("fails", "sql-fails", "bad-result"):
+        first = await post(client, instance.url + f"/cron/{job}")
+        assert first.status_code == 500
+        body = first.json()
+        assert body == {"error": "job failed", "job": job, "run_id": body["run_id"]}
+        assert "Traceback" not in first.text
+        # The lock went with the rollback: the next trigger runs (and fails) again.
+        second = await post(client, instance.url + f"/cron/{job}")
+        assert second.status_code == 500
+        assert second.json()["run_id"] != body["run_id"]
+        assert await effects(db, job) == 0
+        rows = await runs(db, job)
+        assert [r["status"] for r in rows] == ["failed", "failed"]
+        assert rows[0]["error"]
+        assert not await lock_held(db, job)
+
+
+async def test_timeout_is_504_lock_released_nothing_persisted(
+    instance: Any, client: Any, db: asyncpg.Connection
+) -> None:
+    r = await post(client, instance.url + "/cron/times-out", json={"seconds": 5})
+    assert r.status_code == 504
+    body = r.json()
+    assert body["error"] == "job timed out"
+    assert isinstance(body["run_id"], int)
+    assert not await lock_held(db, "times-out")
+    assert await effects(db, "times-out") == 0
+    (row,) = await runs(db, "times-out")
+    assert row["status"] == "timed_out"
+    assert row["id"] == body["run_id"]
+    # And it can run again at once.
+    r = await post(client, instance.url + "/cron/times-out", json={"seconds": 5})
+    assert r.status_code == 504
+
+
+async def test_success_answer_and_ledger(
+    instance: Any, client: Any, db: asyncpg.Connection
+) -> None:
+    r = await post(client, instance.url + "/cron/slow", json={"seconds": 0.01})
+    assert r.status_code == 200
+    body = r.json()
+    assert set(body) == {"job", "processed", "run_id", "slot", "duration_ms"}
+    assert body["processed"] == {"slept": 0.01}
+    assert body["slot"] is None
+    (row,) = await runs(db, "slow")
+    assert row["status"] == "succeeded"
+    assert row["result"] == {"slept": 0.01}
+    assert row["params"] == {"seconds": 0.01}
+    assert row["instance"] == "api"
+    assert row["finished_at"] >= row["started_at"]

@@ -1,0 +1,178 @@
+"""Exactly once across several real instances (OS processes) sharing one database."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.util import effects, lock_held, post, runs, wait_for
+
+Starter = Callable[..., Any]
+
+
+@pytest.fixture
+async def client() -> Any:
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as c:
+        yield c
+
+
+@pytest.fixture
+def trio(start_instance: Starter) -> list[Any]:
+    return [start_instance(f"i{n}") for n in range(1, 4)]
+
+
+async def test_concurrent_triggers_over_three_instances_run_once(
+    trio: list[Any], client: Any, db: asyncpg.Connection
+) -> None:
+    urls = [trio[n % 3].url + "/cron/slow" for n in range(50)]
+    answers = await asyncio.gather(*(post(client, u, json={"seconds": 1.5}) for u in urls))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    bodies = [a.json() for a in answers]
+    ran = [b for b in bodies if "processed" in b]
+    skipped = [b for b in bodies if b.get("skipped")]
+    assert len(ran) == 1
+    assert len(skipped) == 49
+    assert {b["reason"] for b in skipped} == {"already running"}
+    assert await effects(db, "slow") == 1
+    assert [r["status"] for r in await runs(db, "slow")] == ["succeeded"]
+
+
+async def test_once_per_slot_across_retries_and_instances(
+    trio: list[Any], client: Any, db: asyncpg.Connection
+) -> None:
+    slot = datetime(datetime.now(UTC).year, 1, 1, tzinfo=UTC)
+    answers = []
+    for _ in range(3):
+        answers += await asyncio.gather(*(post(client, i.url + "/cron/yearly") for i in trio))
+    bodies = [a.json() for a in answers]
+    assert all(a.status_code == 200 for a in answers)
+    ran = [b for b in bodies if "processed" in b]
+    assert len(ran) == 1
+    assert ran[0]["slot"] == slot.isoformat()
+    reasons = Counter(b.get("reason") for b in bodies if b.get("skipped"))
+    assert reasons["already done"] >= 6  # the first round may also say "already running"
+    assert all(b["slot"] == slot.isoformat() for b in bodies if b.get("reason") == "already done")
+    assert await effects(db, "yearly") == 1
+
+
+async def test_force_runs_again_as_manual_and_does_not_count(
+    trio: list[Any], client: Any, db: asyncpg.Connection
+) -> None:
+    url = trio[0].url + "/cron/yearly"
+    assert "processed" in (await post(client, url)).json()
+    forced = (await post(client, url + "?force=true")).json()
+    assert forced["processed"] == 1
+    assert (await post(client, trio[1].url + "/cron/yearly")).json()["reason"] == "already done"
+    rows = await runs(db, "yearly")
+    assert [(r["trigger"], r["status"]) for r in rows] == [
+        ("scheduled", "succeeded"),
+        ("manual", "succeeded"),
+    ]
+    assert rows[0]["slot"] == rows[1]["slot"]
+    assert await effects(db, "yearly") == 2
+
+
+async def test_max_lateness_skips_too_late(trio: list[Any], client: Any) -> None:
+    r = await post(client, trio[0].url + "/cron/late-minutely")
+    assert r.status_code == 200
+    assert r.json()["skipped"] is True
+    assert r.json()["reason"] == "too late"
+
+
+async def test_unscheduled_job_is_protected_against_overlap_only(
+    trio: list[Any], client: Any, db: asyncpg.Connection
+) -> None:
+    for instance in trio:
+        assert (await post(client, instance.url + "/cron/fast")).json()["processed"] == 1
+    assert await effects(db, "fast") == 3
+
+
+async def test_killed_holder_frees_the_lock(
+    start_instance: Starter, client: Any, db: asyncpg.Connection
+) -> None:
+    victim, other = start_instance("victim"), start_instance("other")
+    running = asyncio.create_task(
+        post(client, victim.url + "/cron/slow-sql", json={"seconds": 30})
+    )
+    await wait_for(lambda: lock_held(db, "slow-sql"), 10, "the victim to take the lock")
+    victim.kill()
+    freed = await wait_for(lambda: _not(lock_held(db, "slow-sql")), 10, "the lock to free")
+    with pytest.raises(httpx.HTTPError):
+        await running
+    r = await post(client, other.url + "/cron/slow-sql", json={"seconds": 0})
+    assert r.json()["processed"] == 1, r.text
+    # The victim's effect rolled back with its transaction: one effect, the survivor's.
+    assert await effects(db, "slow-sql") == 1
+    assert freed < 5
+
+
+async def test_frozen_holder_loses_the_lock_and_commits_nothing(
+    start_instance: Starter, client: Any, db: asyncpg.Connection
+) -> None:
+    env = {"DB_TIMEOUT_MARGIN": "0.5"}  # `held` has timeout 2: the database gives up at 2.5 s
+    frozen, other = start_instance("frozen", env), start_instance("other", env)
+    pending = asyncio.create_task(post(client, frozen.url + "/cron/held", json={"seconds": 4}))
+    await wait_for(lambda: lock_held(db, "held"), 10, "the lock to be taken")
+    frozen.freeze()
+    started = time.monotonic()
+    try:
+        await wait_for(lambda: _not(lock_held(db, "held")), 10, "the database to free the lock")
+        freed_after = time.monotonic() - started
+        r = await post(client, other.url + "/cron/held", json={"seconds": 0})
+        assert r.json()["processed"] == 1, r.text
+    finally:
+        frozen.thaw()
+    answer = await pending
+    assert answer.status_code in (500, 503, 504), answer.text
+    assert await effects(db, "held") == 1
+    statuses = [r["status"] for r in await runs(db, "held")]
+    assert sorted(statuses) == ["succeeded", "timed_out"] or sorted(statuses) == [
+        "failed",
+        "succeeded",
+    ]
+    assert freed_after < 2.5 + 3
+
+
+async def test_digest_one_outbox_row_per_user_per_slot(
+    trio: list[Any], client: Any, db: asyncpg.Connection
+) -> None:
+    await db.execute(
+        """INSERT INTO users (email, digest_enabled)
+           SELECT 'u' || g || '@example.com', g % 10 <> 0 FROM generate_series(1, 500) g"""
+    )
+    answers = []
+    for _ in range(4):
+        answers += await asyncio.gather(
+            *(post(client, i.url + "/cron/daily-digest") for i in trio for _ in range(3))
+        )
+    assert all(a.status_code == 200 for a in answers)
+    processed = [a.json()["processed"] for a in answers if "processed" in a.json()]
+    assert processed == [450]
+    per_user = await db.fetch(
+        "SELECT user_id, count(*) AS n FROM email_outbox GROUP BY user_id"
+    )
+    assert len(per_user) == 450
+    assert {r["n"] for r in per_user} == {1}
+    disabled = await db.fetchval(
+        """SELECT count(*) FROM email_outbox o JOIN users u ON u.id = o.user_id
+           WHERE NOT u.digest_enabled"""
+    )
+    assert disabled == 0
+    stamped = await db.fetchval("SELECT count(*) FROM users WHERE last_digest_at IS NOT NULL")
+    assert stamped == 450
+
+
+async def _not_coro(check: Any) -> bool:
+    return not await check
+
+
+def _not(check: Any) -> Any:
+    return _not_coro(check)

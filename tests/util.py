@@ -1,0 +1,70 @@
+"""Small helpers shared by the tests that drive real instances."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import httpx
+
+from app.lock import lock_key
+from tests.support import TEST_SECRET
+
+AUTH = {"Authorization": f"Bearer {TEST_SECRET}"}
+
+
+async def post(
+    client: httpx.AsyncClient, url: str, *, json: Any = None, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    return await client.post(url, json=json, headers=headers if headers is not None else AUTH)
+
+
+async def effects(db: asyncpg.Connection, job: str | None = None) -> int:
+    """How many effects the test jobs committed (0 if no job ever committed one)."""
+    if not await db.fetchval("SELECT to_regclass('job_effects') IS NOT NULL"):
+        return 0
+    count = await db.fetchval(
+        "SELECT count(*) FROM job_effects WHERE $1::text IS NULL OR job = $1", job
+    )
+    return int(count)
+
+
+async def lock_held(db: asyncpg.Connection, job: str, namespace: int = 0) -> bool:
+    key = lock_key(job, namespace)
+    held = await db.fetchval(
+        """SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted
+           AND classid = $1 AND objid = $2 AND objsubid = 1)""",
+        key.classid,
+        key.objid,
+    )
+    return bool(held)
+
+
+async def wait_for(
+    check: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.05
+) -> float:
+    """Poll until `check` is true; returns the seconds it took, fails after `timeout`."""
+    start = time.monotonic()
+    while True:
+        if await check():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def runs(db: asyncpg.Connection, job: str) -> list[dict[str, Any]]:
+    """The job's ledger rows, oldest first, with the JSON columns decoded."""
+    rows = await db.fetch("SELECT * FROM cron_runs WHERE job = $1 ORDER BY id", job)
+    decoded = []
+    for row in rows:
+        item = dict(row)
+        for column in ("params", "result"):
+            if isinstance(item[column], str):
+                item[column] = json.loads(item[column])
+        decoded.append(item)
+    return decoded
