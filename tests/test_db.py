@@ -1,0 +1,136 @@
+"""Start-up against a real server: migrations once, a database that is down, a standby."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import string
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from app.db import migrations
+from app.embedded import LocalPostgres, free_port, start_standby
+from app.errors import JobDefinitionError
+from app.jobs import Registry, load
+from app.lock import hashtextextended, lock_key
+from tests.util import AUTH, post, wait_for
+
+Starter = Callable[..., Any]
+
+
+async def test_python_hash_matches_the_server(db: asyncpg.Connection) -> None:
+    rnd = random.Random(7)
+    names = ["", "daily-digest", "x" * 11, "y" * 12, "z" * 25, "héllo ✓"]
+    names += ["".join(rnd.choices(string.printable, k=rnd.randint(0, 40))) for _ in range(200)]
+    for seed in (0, 1, -1, 2**63 - 1, -(2**63), 987654321):
+        rows = await db.fetch(
+            "SELECT n, hashtextextended(n, $2) AS k FROM unnest($1::text[]) n", names, seed
+        )
+        for row in rows:
+            assert hashtextextended(row["n"], seed) == row["k"], (row["n"], seed)
+
+
+async def test_lock_key_as_pg_locks_shows_it(db: asyncpg.Connection) -> None:
+    key = lock_key("daily-digest", 5)
+    async with db.transaction():
+        await db.execute("SELECT pg_advisory_xact_lock(hashtextextended('daily-digest', 5))")
+        row = await db.fetchrow(
+            "SELECT classid, objid, objsubid FROM pg_locks WHERE locktype = 'advisory'"
+        )
+    assert row is not None
+    assert (row["classid"], row["objid"], row["objsubid"]) == (key.classid, key.objid, 1)
+    assert type(key).from_pg_locks(row["classid"], row["objid"]) == key
+
+
+def test_colliding_lock_keys_refuse_to_start() -> None:
+    registry = load(["tests.jobs"])
+    keys = {name: registry.key(name) for name in registry}
+    keys["slow"] = keys["fast"]  # what a 64-bit collision would look like
+    with pytest.raises(JobDefinitionError, match="same lock key"):
+        registry.check_keys(keys)
+    Registry(registry.jobs, registry.namespace).check_keys()
+
+
+async def test_instances_booting_together_migrate_once(
+    pg_server: Any, start_instance: Starter
+) -> None:
+    admin = await asyncpg.connect(pg_server.dsn("postgres"))
+    name = "boot_" + "".join(random.choices(string.ascii_lowercase, k=8))
+    await admin.execute(f"CREATE DATABASE {name}")
+    try:
+        url = pg_server.dsn(name)
+        instances = [start_instance(f"b{n}", {"DATABASE_URL": url}) for n in range(3)]
+        async with httpx.AsyncClient(timeout=10) as client:
+            for instance in instances:
+
+                async def ready(i: Any = instance) -> bool:
+                    return (await client.get(i.url + "/readyz")).status_code == 200
+
+                await wait_for(ready, 20, "instances to be ready")
+        conn = await asyncpg.connect(url)
+        try:
+            rows = await conn.fetch("SELECT version FROM cronlock_migrations ORDER BY version")
+        finally:
+            await conn.close()
+        assert [r["version"] for r in rows] == [m.version for m in migrations()]
+        for instance in instances:
+            instance.kill()
+    finally:
+        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        await admin.close()
+
+
+async def test_instance_started_while_database_is_down(
+    tmp_path: Path, start_instance: Starter
+) -> None:
+    port = free_port()
+    server = LocalPostgres(tmp_path / "pg", port, fast=True)
+    instance = start_instance("early", {"DATABASE_URL": server.dsn("postgres")})
+    async with httpx.AsyncClient(timeout=10) as client:
+        assert (await client.get(instance.url + "/healthz")).status_code == 200
+        r = await client.get(instance.url + "/readyz")
+        assert r.status_code == 503
+        assert r.json()["reason"]
+        r = await post(client, instance.url + "/cron/fast")
+        assert r.status_code == 503
+        assert r.headers["retry-after"]
+        assert r.json()["error"] == "database unavailable"
+        server.start()
+        try:
+
+            async def ready() -> bool:
+                return (await client.get(instance.url + "/readyz")).status_code == 200
+
+            await wait_for(ready, 20, "the instance to become ready")
+            r = await post(client, instance.url + "/cron/fast")
+            assert r.status_code == 200, r.text
+            assert r.json()["processed"] == 1
+        finally:
+            instance.kill()
+            server.stop()
+
+
+async def test_standby_refuses_jobs(
+    pg_server: Any, tmp_path: Path, start_instance: Starter, template_database: str
+) -> None:
+    if not hasattr(pg_server, "bindir"):
+        pytest.skip("needs a local server to clone (DATABASE_URL points elsewhere)")
+    standby = await asyncio.to_thread(start_standby, pg_server, tmp_path / "standby")
+    try:
+        instance = start_instance("standby", {"DATABASE_URL": standby.dsn(template_database)})
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.get(instance.url + "/readyz")
+            assert r.status_code == 503
+            assert "standby" in r.json()["reason"]
+            r = await client.post(instance.url + "/cron/fast", headers=AUTH)
+            assert r.status_code == 503
+            assert "standby" in r.json()["reason"]
+            assert (await client.get(instance.url + "/healthz")).status_code == 200
+        instance.kill()
+    finally:
+        standby.stop()
