@@ -29,6 +29,8 @@ READ_PATHS = ("/cron/jobs", "/cron/runs", "/cron/locks", "/openapi.json", "/docs
 def required_access(method: str, path: str) -> Access:
     if path == "/metrics":
         return Access.METRICS
+    if path.startswith("/bench/"):
+        return Access.RUN
     if path.startswith("/cron/") or path == "/cron":
         if method in ("GET", "HEAD") and (path in READ_PATHS or path.startswith("/cron/runs/")):
             return Access.READ

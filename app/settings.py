@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     # uvicorn waits for ever for running requests by default; a job in flight at SIGTERM
     # gets this long, then is cancelled and rolled back.
     graceful_shutdown_timeout: float = Field(default=30.0, gt=0)
+    # Two baseline routes for bench/ (constant JSON; one SELECT 1 through the pool), behind the
+    # cron secret like a trigger. Off in production.
+    bench_endpoints: bool = False
     log_format: Literal["auto", "json", "text"] = "auto"
     log_level: str = "INFO"
 
