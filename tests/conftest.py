@@ -1,0 +1,245 @@
+"""Real PostgreSQL, PgBouncer, nginx and uvicorn processes for the tests. Nothing is faked.
+
+- `pg_server` (session): a throwaway local server, or `DATABASE_URL`'s when set.
+- `template_database` (session): migrated once; `database_url`/`db` clone it per test.
+- `make_settings`, `start_instance`: the app in-process, or as real uvicorn processes.
+- `pgbouncer` (session), `start_nginx` (factory): the pooler and the proxy (marker `cluster`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+import pytest
+
+from app.cluster import Instance, Nginx, PgBouncer
+from app.embedded import LocalPostgres
+from tests.support import TEST_SECRET
+from tests.support.postgres import (
+    ExternalPostgres,
+    PostgresServer,
+    create_database,
+    drop_database,
+    unique_name,
+)
+
+if TYPE_CHECKING:
+    from app.settings import Settings
+
+CLUSTER_FIXTURES = ("pgbouncer", "start_nginx")
+INSTANCES_KEY = pytest.StashKey[list[Instance]]()
+INSTANCE_STOP_GRACE = 5.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # `-m "not cluster"` then deselects every test that needs PgBouncer or nginx.
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in CLUSTER_FIXTURES):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed and report.when in ("call", "setup"):
+        for instance in item.stash.get(INSTANCES_KEY, []):
+            report.sections.append((f"instance {instance.name} log", instance.log_tail(80)))
+    return report
+
+
+def _scratch_dir(prefix: str) -> Path:
+    # Under /tmp, not pytest's 0700 basetemp: servers run as `postgres` when we are root,
+    # and unix socket paths must stay short.
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+# --- PostgreSQL ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PostgresServer]:
+    """The session's PostgreSQL: `DATABASE_URL` if set, else a fast local throwaway server."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        yield ExternalPostgres(url)
+        return
+    root = _scratch_dir("cronlock-pg-")
+    server = LocalPostgres(root / "pg", fast=True)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop("immediate")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+async def template_database(pg_server: PostgresServer) -> AsyncIterator[str]:
+    """A database migrated once per session, cloned by `database_url` for every test."""
+    from app.db import migrate
+
+    name = unique_name("cronlock_template")
+    admin = pg_server.dsn("postgres")
+    await create_database(admin, name)
+    conn = await asyncpg.connect(pg_server.dsn(name), statement_cache_size=0)
+    try:
+        await migrate(conn)
+    finally:
+        await conn.close()
+    yield name
+    await drop_database(admin, name)
+
+
+@pytest.fixture
+async def database_url(pg_server: PostgresServer, template_database: str) -> AsyncIterator[str]:
+    """A fresh, migrated database for this test only (dropped afterwards)."""
+    name = unique_name("t")
+    admin = pg_server.dsn("postgres")
+    await create_database(admin, name, template=template_database)
+    yield pg_server.dsn(name)
+    await drop_database(admin, name)
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(database_url, statement_cache_size=0)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+# --- the app ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_settings(database_url: str) -> Callable[..., Settings]:
+    """`make_settings(**overrides)`: Settings for this test's database, short timers, no .env."""
+    from app.settings import Settings
+
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "database_url": database_url,
+            "cron_secret": TEST_SECRET,
+            "cron_jobs": "tests.jobs",
+            "db_acquire_timeout": 2.0,
+            "migrate_retry_interval": 0.2,
+            "outbox_poll_interval": 0.2,
+            "outbox_enabled": False,
+        }
+        values.update(overrides)
+        return Settings(_env_file=None, **values)
+
+    return make
+
+
+@pytest.fixture
+def start_instance(
+    request: pytest.FixtureRequest, database_url: str, tmp_path: Path
+) -> Iterator[Callable[..., Instance]]:
+    """`start_instance(name="i1", env=None, **kw)`: a real uvicorn process on this test's
+    database, ready (GET /healthz = 200) when returned; stopped at teardown."""
+    started: list[Instance] = []
+    request.node.stash[INSTANCES_KEY] = started
+
+    def start(name: str = "i1", env: dict[str, str] | None = None, **kw: Any) -> Instance:
+        full_env = {
+            "DATABASE_URL": database_url,
+            "CRON_SECRET": TEST_SECRET,
+            "CRON_JOBS": "tests.jobs",
+            "OUTBOX_ENABLED": "false",
+            **(env or {}),
+        }
+        kw.setdefault("dir", tmp_path / "instances" / name)
+        instance = Instance(name, full_env, **kw)
+        started.append(instance)
+        instance.start()
+        return instance
+
+    yield start
+    for instance in started:
+        instance.signal(signal.SIGTERM)  # all at once, then wait for each
+    for instance in started:
+        instance.stop(INSTANCE_STOP_GRACE)
+
+
+# --- PgBouncer and nginx ------------------------------------------------------------------
+
+
+def _require_binary(name: str) -> None:
+    if shutil.which(name):
+        return
+    reason = f"`{name}` is not installed (Debian package `{name}`; CI installs it)"
+    if os.environ.get("CRONLOCK_SKIP_CLUSTER") == "1":
+        pytest.skip(reason)
+    pytest.fail(reason + "; set CRONLOCK_SKIP_CLUSTER=1 to skip these tests")
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_server: PostgresServer) -> Iterator[PgBouncer]:
+    """PgBouncer (transaction mode) in front of `pg_server`; `pgbouncer.dsn(db)` for a db.
+
+    If it dies during a test, that test errors with PgBouncer's log; it is never restarted.
+    """
+    _require_binary("pgbouncer")
+    root = _scratch_dir("cronlock-bouncer-")
+    user = password = None
+    if isinstance(pg_server, ExternalPostgres):
+        user, password = pg_server.username, pg_server.password
+    bouncer = PgBouncer(
+        pg_server.host,
+        pg_server.port,
+        pool_mode="transaction",
+        default_pool_size=20,
+        max_client_conn=500,
+        dir=root,
+        upstream_user=user or "postgres",
+        upstream_password=password,
+    )
+    try:
+        bouncer.start()
+        yield bouncer
+        bouncer.check_alive()
+    finally:
+        bouncer.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _cluster_liveness(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test (with the log) whose run saw the session PgBouncer die."""
+    if "pgbouncer" not in request.fixturenames:
+        yield
+        return
+    bouncer: PgBouncer = request.getfixturevalue("pgbouncer")
+    bouncer.check_alive()
+    yield
+    bouncer.check_alive()
+
+
+@pytest.fixture
+def start_nginx() -> Iterator[Callable[..., Nginx]]:
+    """`start_nginx(upstreams, **kw)`: nginx on a free port proxying to "host:port"s."""
+    _require_binary("nginx")
+    started: list[tuple[Nginx, Path]] = []
+
+    def start(upstreams: list[str], **kw: Any) -> Nginx:
+        root = _scratch_dir("cronlock-nginx-")
+        proxy = Nginx(upstreams, dir=root, **kw)
+        started.append((proxy, root))
+        proxy.start()
+        return proxy
+
+    yield start
+    for proxy, root in started:
+        proxy.stop()
+        shutil.rmtree(root, ignore_errors=True)
