@@ -238,3 +238,48 @@ WHERE status <> 'running' AND started_at < now() - make_interval(days => 0, secs
 async def prune(conn: Conn | asyncpg.Pool, retention_seconds: float) -> int:
     status = await conn.execute(PRUNE_SQL, retention_seconds)
     return int(status.split()[-1])
+
+
+# --- operator views (jobs, runs, locks, catch-up) ------------------------------------------
+
+# The newest slot each job has a counted success for; the partial unique index on
+# (job, slot) makes this an index scan.
+LAST_SUCCEEDED_SQL = """
+SELECT job, max(slot) AS slot FROM cron_runs
+WHERE job = ANY($1::text[]) AND status = 'succeeded' AND trigger IN ('scheduled', 'backfill')
+GROUP BY job
+"""
+
+
+async def last_succeeded_slots(conn: Conn | asyncpg.Pool, jobs: list[str]) -> dict[str, datetime]:
+    """The newest slot with a succeeded scheduled or backfill run, per job (manual runs do not
+    count, as for "already done")."""
+    rows = await conn.fetch(LAST_SUCCEEDED_SQL, jobs)
+    return {r["job"]: r["slot"] for r in rows if r["slot"] is not None}
+
+
+RUNNING_BY_PID_SQL = """
+SELECT backend_pid, id FROM cron_runs
+WHERE status = 'running' AND backend_pid = ANY($1::int[])
+ORDER BY id
+"""
+
+
+async def running_by_pid(conn: Conn | asyncpg.Pool, pids: list[int]) -> dict[int, int]:
+    """The `running` row of each lock-holding backend: pid -> run id (the newest wins)."""
+    if not pids:
+        return {}
+    return {r["backend_pid"]: r["id"] for r in await conn.fetch(RUNNING_BY_PID_SQL, pids)}
+
+
+SLOT_ATTEMPTED_SQL = """
+SELECT EXISTS (
+    SELECT 1 FROM cron_runs
+    WHERE job = $1 AND slot = $2 AND trigger IN ('scheduled', 'backfill')
+)
+"""
+
+
+async def slot_attempted(conn: Conn | asyncpg.Pool, job: str, slot: datetime) -> bool:
+    """Whether any scheduled or backfill run, whatever its outcome, was made for this slot."""
+    return bool(await conn.fetchval(SLOT_ATTEMPTED_SQL, job, slot))

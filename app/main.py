@@ -11,11 +11,12 @@ from typing import TypedDict
 
 from fastapi import FastAPI
 
-from app import __version__, api, logs
+from app import __version__, api, logs, ops
 from app.auth import BearerAuth
 from app.db import Database
 from app.errors import JobDefinitionError
 from app.jobs import Registry, load
+from app.metrics import Metrics
 from app.runner import Runner
 from app.settings import Settings, SettingsError
 
@@ -52,9 +53,11 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[State]:
         db = Database(settings)
         await db.open()
-        runner = Runner(settings, registry, db)
+        runner = Runner(settings, registry, db, metrics=Metrics(registry))
         stop = asyncio.Event()
         tasks = [asyncio.create_task(db.watch(stop), name="db-watch")]
+        if any(job.catch_up for job in registry.values()):
+            tasks.append(asyncio.create_task(ops.catch_up_loop(runner, stop), name="catch-up"))
         if settings.outbox_enabled:
             tasks.append(asyncio.create_task(_deliver(db, settings, stop), name="outbox"))
         log.info(

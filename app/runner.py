@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import asyncpg
 
@@ -26,6 +26,9 @@ from app.errors import DatabaseUnavailable, InvalidTrigger
 from app.jobs import Job, JobContext, Registry, Trigger
 from app.lock import LockKey, lock_key, probe, try_lock, verify_keys
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.metrics import Metrics
 
 log = logging.getLogger("cronlock.run")
 
@@ -62,11 +65,25 @@ class _Lease:
     started: float = field(default_factory=time.monotonic)
 
 
+def _cancelled_by_operator(error: BaseException) -> bool:
+    """pg_cancel_backend (`python -m app cancel`) rather than a statement timeout: both are
+    SQLSTATE 57014, told apart by the server's message (on a server whose messages are not in
+    English the run is recorded as failed, as before)."""
+    return isinstance(error, asyncpg.exceptions.QueryCanceledError) and "user request" in str(error)
+
+
 class Runner:
-    def __init__(self, settings: Settings, registry: Registry, db: Database) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        db: Database,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.settings = settings
         self.registry = registry
         self.db = db
+        self.metrics = metrics
         # Jobs this instance is running (or deciding about) now: a second trigger for one of
         # them is answered "already running" without touching the database, so skips stay
         # answerable even when long jobs hold every pooled connection.
@@ -286,8 +303,9 @@ class Runner:
                     error = TypeError(f"returned {type(processed).__name__}, not a JSON value")
                 else:
                     return await self._commit(lease, result, source)
-            await self._rollback(lease, "failed", f"{type(error).__name__}: {error}"[:2000])
-            return self._outcome(lease, "failed", source, reason=str(error)[:200])
+            status: Kind = "cancelled" if _cancelled_by_operator(error) else "failed"
+            await self._rollback(lease, status, f"{type(error).__name__}: {error}"[:2000])
+            return self._outcome(lease, status, source, reason=str(error)[:200])
         finally:
             self.local.pop(job.name, None)
             await self.db.release(conn)
@@ -384,6 +402,8 @@ class Runner:
                 "source": source,
             },
         )
+        if self.metrics is not None:
+            self.metrics.observe(outcome)
 
     async def _close(
         self, conn: asyncpg.pool.PoolConnectionProxy, tx: asyncpg.transaction.Transaction | None

@@ -59,7 +59,7 @@ class Settings(BaseSettings):
     metrics_token: SecretStr | None = None
 
     # --- jobs -----------------------------------------------------------------------------
-    cron_jobs: str = "app.demo.digest"
+    cron_jobs: str = "app.demo.digest,app.housekeeping"
     lock_namespace: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     instance_name: str = Field(default_factory=_default_instance)
     cron_allow_get: bool = False
