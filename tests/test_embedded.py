@@ -1,0 +1,115 @@
+"""LocalPostgres and start_standby against real servers of their own (not the session's)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from app.embedded import LocalPostgres, PostgresError, start_standby
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="cronlock-emb-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def primary(scratch: Path) -> Iterator[LocalPostgres]:
+    server = LocalPostgres(scratch / "primary", fast=True, settings={"work_mem": "8MB"})
+    server.start()
+    yield server
+    server.stop("immediate")
+
+
+async def fetchval(dsn: str, query: str) -> object:
+    conn = await asyncpg.connect(dsn, statement_cache_size=0)
+    try:
+        return await conn.fetchval(query)
+    finally:
+        await conn.close()
+
+
+async def test_start_applies_the_settings(primary: LocalPostgres) -> None:
+    assert primary.dsn() == f"postgresql://postgres@127.0.0.1:{primary.port}/postgres"
+    assert await fetchval(primary.dsn(), "SHOW max_connections") == "300"
+    assert await fetchval(primary.dsn(), "SHOW fsync") == "off"
+    assert await fetchval(primary.dsn(), "SHOW wal_level") == "replica"
+    assert await fetchval(primary.dsn(), "SHOW listen_addresses") == "127.0.0.1"
+    assert await fetchval(primary.dsn(), "SHOW work_mem") == "8MB"
+    assert (primary.bindir / "postgres").is_file()
+
+
+async def test_a_running_data_dir_is_reused(primary: LocalPostgres) -> None:
+    again = LocalPostgres(primary.data_dir)
+    assert again.start() == primary.dsn()
+    assert again.port == primary.port
+
+
+@pytest.fixture(scope="module")
+def server(scratch: Path) -> Iterator[LocalPostgres]:
+    """A second server for the destructive tests; each test starts it (start is idempotent)."""
+    server = LocalPostgres(scratch / "lifecycle", fast=True)
+    yield server
+    server.stop("immediate")
+
+
+async def test_stop_then_start_keeps_data_and_port(server: LocalPostgres) -> None:
+    dsn = server.start()
+    await fetchval(dsn, "CREATE TABLE IF NOT EXISTS kept AS SELECT 42 AS answer")
+    server.stop()
+    assert not server.is_running()
+    with pytest.raises(ConnectionRefusedError):
+        await fetchval(dsn, "SELECT 1")
+    # A fresh object on the stopped data dir starts it on the port it had.
+    assert LocalPostgres(server.data_dir).start() == dsn
+    assert server.is_running()
+    assert server.restart() == dsn
+    assert await fetchval(dsn, "SELECT answer FROM kept") == 42
+
+
+async def test_kill_is_a_crash_the_server_recovers_from(server: LocalPostgres) -> None:
+    dsn = server.start()
+    await fetchval(dsn, "CREATE TABLE IF NOT EXISTS survived AS SELECT 1 AS one")
+    conn = await asyncpg.connect(dsn)
+    server.kill()
+    assert not server.is_running()
+    with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError, OSError)):
+        await conn.fetchval("SELECT 1")
+    conn.terminate()
+    server.start()
+    # Committed before the kill, so recovered from the WAL even with fsync off.
+    assert await fetchval(dsn, "SELECT one FROM survived") == 1
+    assert "not properly shut down; automatic recovery in progress" in server.read_log()
+
+
+def test_a_broken_setting_fails_with_the_server_log(server: LocalPostgres) -> None:
+    server.start()
+    server.stop()
+    broken = LocalPostgres(server.data_dir, fast=True, settings={"shared_buffers": "nonsense"})
+    with pytest.raises(PostgresError, match="shared_buffers"):
+        broken.start()
+    assert not broken.is_running()
+    # The settings are rewritten at every start, so the next good start recovers.
+    server.start()
+    assert server.is_running()
+
+
+async def test_standby_is_in_recovery_and_follows_the_primary(
+    primary: LocalPostgres, scratch: Path
+) -> None:
+    await fetchval(primary.dsn(), "CREATE TABLE replicated AS SELECT 7 AS seven")
+    standby = start_standby(primary, scratch / "standby")
+    try:
+        assert standby.port != primary.port
+        assert await fetchval(standby.dsn(), "SELECT pg_is_in_recovery()") is True
+        assert await fetchval(primary.dsn(), "SELECT pg_is_in_recovery()") is False
+        assert await fetchval(standby.dsn(), "SELECT seven FROM replicated") == 7
+    finally:
+        standby.stop("immediate")
