@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import importlib.util
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -71,27 +72,35 @@ def as_service_user() -> dict[str, Any]:
     return {"user": user, "group": user, "extra_groups": []}
 
 
-def prepare_dir(path: Path, mode: int = 0o700) -> Path:
-    """Create `path` for the service user: owned by it and reachable through its parents."""
+def prepare_dir(path: Path, mode: int = 0o700, *, own: bool = True) -> Path:
+    """Create `path` for the service user: reachable through its parents and, if `own`,
+    owned by it (a parent that merely holds our folders stays as it is)."""
     path = path.resolve()
     path.mkdir(parents=True, exist_ok=True, mode=mode)
     user = service_user()
     if user is not None:
-        shutil.chown(path, user, user)
+        if own:
+            shutil.chown(path, user, user)
         make_traversable(path)
     return path
 
 
 def make_traversable(path: Path) -> None:
-    """Give others the search (x) bit on the ancestors of `path` that lack it.
+    """Give others the search (x) bit on `path` and its ancestors where it is missing.
 
     Only traversal, never listing: enough for the service user to reach a folder we created
-    under, say, a 0700 pytest temp directory.
+    under, say, a 0700 pytest temp directory. Folders the service user owns are left alone
+    (PostgreSQL insists on a 0700/0750 data directory).
     """
-    for parent in path.parents:
-        mode = parent.stat().st_mode
-        if not mode & stat.S_IXOTH:
-            parent.chmod(mode | stat.S_IXOTH)
+    uid = _service_uid()
+    for folder in (path, *path.parents):
+        info = folder.stat()
+        if info.st_uid != uid and not info.st_mode & stat.S_IXOTH:
+            folder.chmod(stat.S_IMODE(info.st_mode) | stat.S_IXOTH)
+
+
+def _service_uid() -> int:
+    return pwd.getpwnam(SERVICE_USER).pw_uid
 
 
 def chown_to_service(path: Path) -> None:
@@ -331,7 +340,7 @@ class LocalPostgres:
 
     def start(self) -> str:
         """Initialise if needed, start unless already running; returns the superuser DSN."""
-        prepare_dir(self._data_dir.parent, mode=0o755)
+        prepare_dir(self._data_dir.parent, mode=0o755, own=False)
         prepare_dir(self._run_dir)
         if not self.is_initialised():
             self._initdb()
@@ -520,7 +529,7 @@ class LocalPostgres:
 def start_standby(primary: LocalPostgres, data_dir: Path, port: int | None = None) -> LocalPostgres:
     """A hot standby streaming from `primary`, started and accepting (read-only) connections."""
     data_dir = Path(data_dir).resolve()
-    prepare_dir(data_dir.parent, mode=0o755)
+    prepare_dir(data_dir.parent, mode=0o755, own=False)
     prepare_dir(data_dir)
     args = [primary.tool("pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port)]
     args += ["-U", SUPERUSER, "-D", str(data_dir), "-R", "-X", "stream", "-c", "fast"]
