@@ -170,13 +170,17 @@ async def try_lock(
     return row
 
 
-# A read-only look, outside any transaction, before the real attempt: is the job's lock held
-# right now (by anyone), and what time is it on the database? It answers the common "already
-# running" storm in one statement and never takes the lock itself: a probe that briefly held
-# it could make the one real attempt fail and then nobody would run the job.
+# A read-only look, outside any transaction, before the real attempt: what time is it on the
+# database, is the job's lock held right now (by anyone), and which is the newest slot that
+# already succeeded? It answers the common skips in one statement and never takes the lock
+# itself: a probe that briefly held it could make the one real attempt fail, and then nobody
+# would run the job.
 PROBE_SQL = """
 SELECT now() AS db_now,
        pg_is_in_recovery() AS standby,
+       (SELECT max(slot) FROM cron_runs
+        WHERE job = $3 AND status = 'succeeded' AND trigger IN ('scheduled', 'backfill')
+       ) AS done_slot,
        EXISTS (
            SELECT 1 FROM pg_locks
            WHERE locktype = 'advisory' AND granted AND objsubid = 1
@@ -186,7 +190,7 @@ SELECT now() AS db_now,
 """
 
 
-async def probe(conn: Conn, key: LockKey) -> asyncpg.Record:
-    row = await conn.fetchrow(PROBE_SQL, key.classid, key.objid)
+async def probe(conn: Conn, name: str, key: LockKey) -> asyncpg.Record:
+    row = await conn.fetchrow(PROBE_SQL, key.classid, key.objid, name)
     assert row is not None
     return row

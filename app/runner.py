@@ -88,9 +88,6 @@ class Runner:
         # them is answered "already running" without touching the database, so skips stay
         # answerable even when long jobs hold every pooled connection.
         self.local: dict[str, int | None] = {}
-        # The newest slot known to have succeeded, per job: a succeeded (job, slot) row is
-        # never undone, so once seen it needs no second look.
-        self.done: dict[str, datetime] = {}
         self.background: set[asyncio.Task[Outcome]] = set()
         # Lock keys as computed here; checked against the server's once (see `_probe`).
         self.probe_keys: dict[str, LockKey] | None = {
@@ -150,7 +147,7 @@ class Runner:
                 await self._check_keys(conn)
                 if self.probe_keys is None:
                     return None
-            row = await probe(conn, self.probe_keys[job.name])
+            row = await probe(conn, job.name, self.probe_keys[job.name])
         except CONNECTION_ERRORS as exc:
             raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
         except asyncpg.PostgresError as exc:
@@ -159,12 +156,14 @@ class Runner:
             await self.db.release(conn)
         if row["standby"]:
             raise DatabaseUnavailable(STANDBY_REASON)
-        if row["running"]:
-            return self._skip(job, "already running", None, "scheduled", source)
+        # When both hold (a concurrent trigger is looking at a slot that is done), "already
+        # done" wins: it is the more useful answer, and the lock holder can only be deciding.
         if job.schedule is not None:
             slot = job.schedule.slot_for(row["db_now"], job.early_tolerance)
-            if self.done.get(job.name) == slot:
+            if row["done_slot"] == slot:
                 return self._skip(job, "already done", slot, "scheduled", source)
+        if row["running"]:
+            return self._skip(job, "already running", None, "scheduled", source)
         return None
 
     async def _check_keys(self, conn: Conn) -> None:
@@ -268,8 +267,7 @@ class Runner:
             slot = job.schedule.slot_for(now, job.early_tolerance)
             if trigger == "manual":
                 return None, slot
-        if self.done.get(job.name) == slot or await ledger.already_done(conn, job.name, slot):
-            self.done[job.name] = slot
+        if await ledger.already_done(conn, job.name, slot):
             return "already done", slot
         late = job.max_lateness is not None and now - slot > timedelta(seconds=job.max_lateness)
         if trigger == "scheduled" and late:
@@ -319,10 +317,6 @@ class Runner:
             # conditional update in `ledger.finish` leaves a succeeded row alone.
             await self._rollback(lease, "failed", f"commit failed: {describe(exc)}")
             return self._outcome(lease, "failed", source, reason=describe(exc))
-        if lease.ctx.slot is not None and lease.ctx.trigger != "manual":
-            self.done[lease.job.name] = max(
-                self.done.get(lease.job.name, lease.ctx.slot), lease.ctx.slot
-            )
         return self._outcome(lease, "succeeded", source, processed=result, duration=duration)
 
     async def _rollback(self, lease: _Lease, status: str, error: str) -> None:
