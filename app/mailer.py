@@ -1,0 +1,335 @@
+"""Delivery backends behind one small protocol: a Resend-compatible HTTP API, SMTP, or the log.
+
+A backend never raises for a delivery problem: it answers with a `SendResult` that says
+whether the email went out, is worth retrying (timeouts, connection errors, 408/409/429/5xx,
+SMTP 4xx) or failed for good (any other 4xx, SMTP 5xx). The outbox decides what to do next.
+
+Guarantees differ by backend:
+- `http` sends the same `Idempotency-Key` and the same body bytes on every attempt, so a
+  provider that honours the key delivers once even when our answer was lost;
+- `smtp` has no de-duplication: an answer lost after the relay took the message means a
+  second copy (with the same Message-ID, which some clients collapse). At-least-once;
+- `log` writes one structured line per email and counts it as sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.policy
+import email.utils
+import json
+import logging
+import re
+import smtplib
+import ssl
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from email.message import EmailMessage
+from typing import Literal, Protocol
+
+import httpx
+
+from app.settings import Settings, SettingsError
+
+log = logging.getLogger("cronlock.mailer")
+
+# Kept short in `last_error`: enough to tell what the provider said.
+ERROR_SNIPPET = 300
+
+# 408/429/5xx are transient by definition; Resend answers 409 while a request with the same
+# idempotency key is still being processed, which resolves itself.
+RETRYABLE_STATUS = frozenset({408, 409, 429})
+
+
+@dataclass(frozen=True, slots=True)
+class Email:
+    """What the provider receives, exactly as frozen in the outbox row at enqueue."""
+
+    idempotency_key: str
+    sender: str
+    recipient: str
+    subject: str
+    body: str
+    created_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    status: Literal["sent", "retry", "failed"]
+    message_id: str | None = None
+    error: str | None = None
+    # Seconds the provider asked us to wait (Retry-After), if it said.
+    retry_after: float | None = None
+
+    @classmethod
+    def sent(cls, message_id: str | None) -> SendResult:
+        return cls("sent", message_id=message_id)
+
+    @classmethod
+    def retry(cls, error: str, retry_after: float | None = None) -> SendResult:
+        return cls("retry", error=error, retry_after=retry_after)
+
+    @classmethod
+    def failed(cls, error: str) -> SendResult:
+        return cls("failed", error=error)
+
+
+class Mailer(Protocol):
+    async def send(self, message: Email) -> SendResult: ...
+
+    async def aclose(self) -> None: ...
+
+
+def create_mailer(settings: Settings) -> Mailer:
+    """The backend `EMAIL_BACKEND` names."""
+    if settings.email_backend == "http":
+        if settings.email_api_key is None:
+            raise SettingsError("EMAIL_BACKEND=http needs EMAIL_API_KEY")
+        return HttpMailer(
+            settings.email_api_url,
+            settings.email_api_key.get_secret_value(),
+            timeout=settings.outbox_send_timeout,
+            max_connections=settings.outbox_concurrency,
+        )
+    if settings.email_backend == "smtp":
+        return SmtpMailer(
+            settings.smtp_host,
+            settings.smtp_port,
+            username=settings.smtp_username,
+            password=(
+                settings.smtp_password.get_secret_value() if settings.smtp_password else None
+            ),
+            starttls=settings.smtp_starttls,
+            timeout=settings.outbox_send_timeout,
+            max_workers=settings.outbox_concurrency,
+        )
+    return LogMailer()
+
+
+# --- http -----------------------------------------------------------------------------------
+
+
+def payload_bytes(message: Email) -> bytes:
+    """The request body: sorted keys, no whitespace, so every attempt sends the same bytes."""
+    document = {
+        "from": message.sender,
+        "to": message.recipient,
+        "subject": message.subject,
+        "text": message.body,
+    }
+    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """`Retry-After` as seconds from now: delta-seconds or an HTTP-date; None if absent/bad."""
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    # An HTTP-date is the provider's wall clock; only the difference to ours means anything.
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def classify_response(response: httpx.Response) -> SendResult:
+    status = response.status_code
+    if 200 <= status < 300:
+        message_id: str | None = None
+        try:
+            document = response.json()
+        except ValueError:
+            document = None
+        if isinstance(document, dict) and isinstance(document.get("id"), str):
+            message_id = document["id"]
+        return SendResult.sent(message_id)
+    error = f"HTTP {status}: {_snippet(response.text)}"
+    if status in RETRYABLE_STATUS or status >= 500:
+        return SendResult.retry(error, parse_retry_after(response.headers.get("retry-after")))
+    return SendResult.failed(error)
+
+
+class HttpMailer:
+    """A Resend-compatible API: `POST {api_url}/emails` with an `Idempotency-Key`."""
+
+    def __init__(
+        self,
+        api_url: str,
+        api_key: str,
+        *,
+        timeout: float,
+        max_connections: int = 8,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = api_url.rstrip("/") + "/emails"
+        self.timeout = timeout
+        self._client = httpx.AsyncClient(
+            # httpx's timeouts apply per phase; the asyncio timeout in `send` caps the whole.
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            headers={
+                "Authorization": f"Bearer {api_key}",
+                "Content-Type": "application/json",
+                "User-Agent": "cronlock",
+            },
+            transport=transport,
+        )
+
+    async def send(self, message: Email) -> SendResult:
+        body = payload_bytes(message)
+        try:
+            async with asyncio.timeout(self.timeout):
+                response = await self._client.post(
+                    self.url, content=body, headers={"Idempotency-Key": message.idempotency_key}
+                )
+        except (TimeoutError, httpx.TimeoutException):
+            return SendResult.retry(f"timed out after {self.timeout:g}s")
+        except httpx.TransportError as exc:
+            return SendResult.retry(
+                f"connection error: {type(exc).__name__}: {exc}"[:ERROR_SNIPPET]
+            )
+        return classify_response(response)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _snippet(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= ERROR_SNIPPET else text[: ERROR_SNIPPET - 1] + "…"
+
+
+# --- smtp -----------------------------------------------------------------------------------
+
+_KEY_UNSAFE = re.compile(r"[^A-Za-z0-9._\-]")
+
+
+def message_id(message: Email) -> str:
+    """A Message-ID derived from the idempotency key: every attempt carries the same one."""
+    address = email.utils.parseaddr(message.sender)[1]
+    domain = address.rpartition("@")[2] or "cronlock.invalid"
+    return f"<{_KEY_UNSAFE.sub('-', message.idempotency_key)}@{domain}>"
+
+
+def build_mime(message: Email) -> EmailMessage:
+    mime = EmailMessage(policy=email.policy.SMTP)
+    mime["From"] = message.sender
+    mime["To"] = message.recipient
+    mime["Subject"] = message.subject
+    mime["Message-ID"] = message_id(message)
+    if message.created_at is not None:
+        # The enqueue time, not the attempt time: retries carry the same headers.
+        mime["Date"] = email.utils.format_datetime(message.created_at)
+    mime.set_content(message.body)
+    return mime
+
+
+class SmtpMailer:
+    """Any SMTP relay, through stdlib smtplib in worker threads. At-least-once (see module)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        starttls: bool = False,
+        timeout: float = 10.0,
+        max_workers: int = 4,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.username = username
+        self.password = password
+        self.starttls = starttls
+        self.timeout = timeout
+        # Our own threads: a slow relay must not starve the loop's default executor.
+        self._threads = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="smtp")
+
+    async def send(self, message: Email) -> SendResult:
+        mime = build_mime(message)
+        loop = asyncio.get_running_loop()
+        try:
+            # smtplib's socket timeout bounds each step inside the thread; a thread cannot be
+            # cancelled, so the loop stops waiting a little later and calls it a timeout.
+            async with asyncio.timeout(self.timeout * 2):
+                await loop.run_in_executor(self._threads, self._send_sync, mime)
+        except TimeoutError:
+            return SendResult.retry(f"timed out after {self.timeout:g}s")
+        except (smtplib.SMTPServerDisconnected, smtplib.SMTPConnectError) as exc:
+            return SendResult.retry(f"SMTP connection error: {exc}"[:ERROR_SNIPPET])
+        except smtplib.SMTPRecipientsRefused as exc:
+            codes = [code for code, _ in exc.recipients.values()]
+            error = f"SMTP recipient refused: {_smtp_text(exc.recipients)}"
+            if codes and all(400 <= c < 500 for c in codes):
+                return SendResult.retry(error)
+            return SendResult.failed(error)
+        except smtplib.SMTPResponseException as exc:
+            error = f"SMTP {exc.smtp_code}: {_decode(exc.smtp_error)}"[:ERROR_SNIPPET]
+            if 500 <= exc.smtp_code < 600:
+                return SendResult.failed(error)
+            return SendResult.retry(error)
+        except smtplib.SMTPNotSupportedError as exc:
+            return SendResult.failed(f"SMTP relay does not support it: {exc}"[:ERROR_SNIPPET])
+        except (smtplib.SMTPException, OSError) as exc:
+            return SendResult.retry(f"SMTP error: {type(exc).__name__}: {exc}"[:ERROR_SNIPPET])
+        return SendResult.sent(str(mime["Message-ID"]))
+
+    def _send_sync(self, mime: EmailMessage) -> None:
+        with smtplib.SMTP(self.host, self.port, timeout=self.timeout) as smtp:
+            if self.starttls:
+                smtp.starttls(context=ssl.create_default_context())
+            if self.username:
+                smtp.login(self.username, self.password or "")
+            smtp.send_message(mime)
+
+    async def aclose(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _decode(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _smtp_text(recipients: dict[str, tuple[int, bytes]]) -> str:
+    return "; ".join(f"{rcpt}: {code} {_decode(text)}" for rcpt, (code, text) in recipients.items())
+
+
+# --- log ------------------------------------------------------------------------------------
+
+
+class LogMailer:
+    """The local default: one structured log line per email, counted as sent."""
+
+    def __init__(self, logger: logging.Logger | None = None) -> None:
+        self.log = logger or logging.getLogger("cronlock.mail")
+
+    async def send(self, message: Email) -> SendResult:
+        self.log.info(
+            "email to %s",
+            message.recipient,
+            extra={
+                "event": "email",
+                "idempotency_key": message.idempotency_key,
+                "from": message.sender,
+                "to": message.recipient,
+                "subject": message.subject,
+                "text": message.body,
+            },
+        )
+        return SendResult.sent(f"log:{message.idempotency_key}")
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,24 @@
+"""A dedicated sender process for the tests: `python -m tests.outbox_worker [--once]`.
+
+Settings come from the environment only (never a stray `.env`), like `python -m app outbox
+drain` in production; SIGTERM stops it gracefully.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from app import logs, outbox
+from app.settings import Settings
+
+
+def main(argv: list[str]) -> int:
+    settings = Settings(_env_file=None)
+    logs.setup("json", settings.log_level)
+    asyncio.run(outbox.run_sender(settings, once="--once" in argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
