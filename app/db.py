@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -244,6 +245,16 @@ class Database:
         if not self.server_version:
             self.server_version = conn.get_server_version().major * 10000
         return conn
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A pooled connection for one short statement, with the acquire timeout (the pool's
+        own `fetch` helpers would wait for ever when long jobs hold every connection)."""
+        conn = await self.acquire()
+        try:
+            yield conn
+        finally:
+            await self.release(conn)
 
     async def release(self, conn: asyncpg.pool.PoolConnectionProxy) -> None:
         try:

@@ -212,17 +212,20 @@ class Runner:
             skip, slot = await self._slot(conn, job, trigger, backfill, now)
             if skip is not None:
                 return self._skip(job, skip, slot, trigger, source)
-            run_id = await ledger.start(
-                self.db.pool,
-                job=job.name,
-                slot=slot,
-                trigger=trigger,
-                source=source,
-                instance=self.settings.instance_name,
-                backend_pid=row["backend_pid"],
-                started_at=now,
-                params=params.model_dump(mode="json") if hasattr(params, "model_dump") else None,
-            )
+            async with self.db.connection() as other:
+                run_id = await ledger.start(
+                    other,
+                    job=job.name,
+                    slot=slot,
+                    trigger=trigger,
+                    source=source,
+                    instance=self.settings.instance_name,
+                    backend_pid=row["backend_pid"],
+                    started_at=now,
+                    params=params.model_dump(mode="json")
+                    if hasattr(params, "model_dump")
+                    else None,
+                )
             ctx = JobContext(
                 conn=conn,
                 job=job,
@@ -338,10 +341,9 @@ class Runner:
 
     async def _record(self, run_id: int, status: str, error: str) -> None:
         try:
-            await asyncio.wait_for(
-                ledger.finish(self.db.pool, run_id, status, error),
-                self.settings.db_acquire_timeout + self.settings.db_connect_timeout,
-            )
+            async with asyncio.timeout(self.settings.db_acquire_timeout + 5.0):
+                async with self.db.connection() as conn:
+                    await ledger.finish(conn, run_id, status, error)
         except Exception as exc:
             # The row stays `running` and is closed as `abandoned` once its lock is seen gone.
             log.warning("could not record run %s as %s: %s", run_id, status, describe(exc))
