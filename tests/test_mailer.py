@@ -1,0 +1,289 @@
+"""The delivery backends against real local servers: the provider stand-in and aiosmtpd."""
+
+from __future__ import annotations
+
+import email
+import email.policy
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from aiosmtpd.controller import Controller
+
+from app.mailer import (
+    Email,
+    HttpMailer,
+    LogMailer,
+    SmtpMailer,
+    create_mailer,
+    message_id,
+    parse_retry_after,
+    payload_bytes,
+)
+from app.settings import Settings, SettingsError
+from tests.support.provider import Provider, Reply
+
+API_KEY = "re_test_key"
+
+
+def an_email(key: str = "key-1", recipient: str = "ada@example.com") -> Email:
+    return Email(
+        idempotency_key=key,
+        sender="cronlock <digest@example.com>",
+        recipient=recipient,
+        subject="Your digest ✓",
+        body="Hello Ada,\n\nnothing happened.\n",
+        created_at=datetime(2026, 1, 2, 7, 0, tzinfo=UTC),
+    )
+
+
+@pytest.fixture
+def provider() -> Iterator[Provider]:
+    with Provider() as p:
+        yield p
+
+
+# --- http -----------------------------------------------------------------------------------
+
+
+async def test_http_sends_a_resend_request(provider: Provider) -> None:
+    """POST /emails with the bearer key, the idempotency key and the frozen JSON body."""
+    mailer = HttpMailer(provider.url, API_KEY, timeout=2)
+    try:
+        result = await mailer.send(an_email())
+    finally:
+        await mailer.aclose()
+    [request] = provider.requests
+    assert result.status == "sent"
+    assert result.message_id == request.message_id
+    assert (request.method, request.path) == ("POST", "/emails")
+    assert request.headers["authorization"] == f"Bearer {API_KEY}"
+    assert request.headers["idempotency-key"] == "key-1"
+    assert request.headers["content-type"] == "application/json"
+    assert request.body == payload_bytes(an_email())
+    assert request.json() == {
+        "from": "cronlock <digest@example.com>",
+        "to": "ada@example.com",
+        "subject": "Your digest ✓",
+        "text": "Hello Ada,\n\nnothing happened.\n",
+    }
+
+
+async def test_http_every_attempt_sends_the_same_bytes(provider: Provider) -> None:
+    provider.script("key-1", Reply(500), Reply(429, retry_after="3"))
+    mailer = HttpMailer(provider.url, API_KEY, timeout=2)
+    try:
+        results = [await mailer.send(an_email()) for _ in range(4)]
+    finally:
+        await mailer.aclose()
+    assert [r.status for r in results] == ["retry", "retry", "sent", "sent"]
+    requests = provider.for_key("key-1")
+    assert len({r.body for r in requests}) == 1
+    # The fourth is a replay: the provider answers with the first delivery's id.
+    assert results[2].message_id == results[3].message_id
+    assert sum(r.delivered for r in requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("reply", "status", "retry_after"),
+    [
+        (Reply(500), "retry", None),
+        (Reply(503, retry_after="2"), "retry", 2.0),
+        (Reply(429, retry_after="7"), "retry", 7.0),
+        (Reply(409), "retry", None),
+        (Reply(408), "retry", None),
+        (Reply(400), "failed", None),
+        (Reply(401), "failed", None),
+        (Reply(422), "failed", None),
+    ],
+)
+async def test_http_classifies_answers(
+    provider: Provider, reply: Reply, status: str, retry_after: float | None
+) -> None:
+    provider.script(None, reply)
+    mailer = HttpMailer(provider.url, API_KEY, timeout=2)
+    try:
+        result = await mailer.send(an_email())
+    finally:
+        await mailer.aclose()
+    assert result.status == status
+    assert result.retry_after == retry_after
+    assert result.error is not None
+    assert f"HTTP {reply.status}" in result.error
+
+
+async def test_http_timeout_is_retryable(provider: Provider) -> None:
+    provider.slow("key-1", 2.0)
+    mailer = HttpMailer(provider.url, API_KEY, timeout=0.3)
+    started = time.monotonic()
+    try:
+        result = await mailer.send(an_email())
+    finally:
+        await mailer.aclose()
+    assert result.status == "retry"
+    assert result.error is not None
+    assert "timed out" in result.error
+    assert time.monotonic() - started < 1.5
+
+
+async def test_http_connection_refused_is_retryable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before the send: nobody listens there
+    mailer = HttpMailer(f"http://127.0.0.1:{port}", API_KEY, timeout=2)
+    try:
+        result = await mailer.send(an_email())
+    finally:
+        await mailer.aclose()
+    assert result.status == "retry"
+    assert result.error is not None
+    assert "connection error" in result.error
+
+
+def test_parse_retry_after() -> None:
+    now = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC).timestamp()
+    assert parse_retry_after("5", now=now) == 5.0
+    assert parse_retry_after(" 1.5 ", now=now) == 1.5
+    assert parse_retry_after("-3", now=now) == 0.0
+    assert parse_retry_after("Thu, 01 Jan 2026 12:00:30 GMT", now=now) == 30.0
+    assert parse_retry_after("Thu, 01 Jan 2026 11:00:00 GMT", now=now) == 0.0
+    assert parse_retry_after("soon", now=now) is None
+    assert parse_retry_after(None) is None
+
+
+def test_payload_is_deterministic() -> None:
+    assert payload_bytes(an_email()) == payload_bytes(an_email())
+    assert payload_bytes(an_email()).startswith(b'{"from":')
+    assert "✓".encode() in payload_bytes(an_email())
+
+
+# --- smtp -----------------------------------------------------------------------------------
+
+
+class Sink:
+    """An aiosmtpd handler: keeps what it accepts; refuses recipients by their local part."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+
+    async def handle_RCPT(
+        self, server: Any, session: Any, envelope: Any, address: str, options: list[str]
+    ) -> str:
+        if address.startswith("reject"):
+            return "550 5.1.1 no such user"
+        if address.startswith("later"):
+            return "451 4.3.0 try again later"
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
+
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+        self.messages.append(envelope)
+        return "250 Message accepted for delivery"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def smtp_server() -> Iterator[tuple[Sink, int]]:
+    sink = Sink()
+    port = _free_port()
+    controller = Controller(sink, hostname="127.0.0.1", port=port)
+    controller.start()
+    try:
+        yield sink, port
+    finally:
+        controller.stop()
+
+
+async def test_smtp_delivers_with_a_message_id_from_the_key(
+    smtp_server: tuple[Sink, int],
+) -> None:
+    sink, port = smtp_server
+    mailer = SmtpMailer("127.0.0.1", port, timeout=5)
+    try:
+        first = await mailer.send(an_email("digest:1767337200:42"))
+        again = await mailer.send(an_email("digest:1767337200:42"))
+    finally:
+        await mailer.aclose()
+    assert first.status == again.status == "sent"
+    assert first.message_id == "<digest-1767337200-42@example.com>"
+    # SMTP cannot de-duplicate: the relay took both (at-least-once), with one Message-ID.
+    assert len(sink.messages) == 2
+    parsed = [
+        email.message_from_bytes(m.content, policy=email.policy.default) for m in sink.messages
+    ]
+    assert {p["Message-ID"] for p in parsed} == {first.message_id}
+    assert parsed[0]["Date"] == parsed[1]["Date"] == "Fri, 02 Jan 2026 07:00:00 +0000"
+    assert parsed[0]["Subject"] == "Your digest ✓"
+    assert parsed[0].get_content().replace("\r\n", "\n") == an_email().body
+    assert sink.messages[0].rcpt_tos == ["ada@example.com"]
+    assert message_id(an_email("a b/c")) == "<a-b-c@example.com>"
+
+
+async def test_smtp_classifies_refusals(smtp_server: tuple[Sink, int]) -> None:
+    _, port = smtp_server
+    mailer = SmtpMailer("127.0.0.1", port, timeout=5)
+    try:
+        permanent = await mailer.send(an_email(recipient="reject@example.com"))
+        transient = await mailer.send(an_email(recipient="later@example.com"))
+    finally:
+        await mailer.aclose()
+    assert permanent.status == "failed"
+    assert permanent.error is not None
+    assert "550" in permanent.error
+    assert transient.status == "retry"
+    assert transient.error is not None
+    assert "451" in transient.error
+
+
+async def test_smtp_unreachable_relay_is_retryable() -> None:
+    mailer = SmtpMailer("127.0.0.1", _free_port(), timeout=2)
+    try:
+        result = await mailer.send(an_email())
+    finally:
+        await mailer.aclose()
+    assert result.status == "retry"
+
+
+# --- log and the choice of backend ----------------------------------------------------------
+
+
+async def test_log_backend_writes_one_structured_line(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="cronlock.mail")
+    result = await LogMailer().send(an_email())
+    assert result.status == "sent"
+    assert result.message_id == "log:key-1"
+    [record] = [r for r in caplog.records if r.name == "cronlock.mail"]
+    assert record.__dict__["event"] == "email"
+    assert record.__dict__["idempotency_key"] == "key-1"
+    assert record.__dict__["to"] == "ada@example.com"
+    assert record.__dict__["text"] == an_email().body
+
+
+async def test_backend_is_chosen_by_settings() -> None:
+    def make(**values: Any) -> Settings:
+        return Settings(_env_file=None, **values)
+
+    chosen = [
+        create_mailer(make()),
+        create_mailer(make(email_backend="smtp")),
+        create_mailer(make(email_backend="http", email_api_key=API_KEY)),
+    ]
+    try:
+        assert [type(m) for m in chosen] == [LogMailer, SmtpMailer, HttpMailer]
+        assert isinstance(chosen[2], HttpMailer)
+        assert chosen[2].url == "https://api.resend.com/emails"
+    finally:
+        for mailer in chosen:
+            await mailer.aclose()
+    with pytest.raises(SettingsError, match="EMAIL_API_KEY"):
+        create_mailer(make(email_backend="http"))
