@@ -2,6 +2,12 @@
 
 Exit codes scripts can rely on: 0 ran or skipped, 1 the job failed or timed out, 2 bad usage
 or configuration, 3 the database is unavailable.
+
+Operations (`jobs`, `runs`, `locks`, `cancel`, `outbox`) read the database directly, as the
+HTTP routes do; `trigger` goes through a running service. `--json` prints what the HTTP API
+answers, for scripts; without it, tables for people. `cancel` exits 1 when the job is not
+running or its lock was not released in time; `trigger` exits 3 when the service or its
+database is unreachable.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print JSON")
     run.set_defaults(handler=cmd_run)
 
+    add_ops_commands(sub)
     return parser
 
 
@@ -230,3 +237,584 @@ async def cmd_run(args: argparse.Namespace) -> int:
     else:
         print(" ".join(f"{k}={v}" for k, v in body.items()))
     return EXIT_OK if outcome.kind in ("succeeded", "skipped") else EXIT_FAILED
+
+
+# --- operations: jobs, runs, locks, trigger, cancel, outbox, schedule export, catch-up --------
+
+DEFAULT_SERVICE_URL = "http://127.0.0.1:8000"
+
+
+def add_ops_commands(sub: Any) -> None:
+    jobs = sub.add_parser("jobs", help="every job: schedule, last run, running now, overdue")
+    jobs.add_argument("--json", action="store_true", help="print JSON (as GET /cron/jobs)")
+    jobs.set_defaults(handler=cmd_jobs)
+
+    runs = sub.add_parser("runs", help="run history, newest first")
+    runs.add_argument("--job")
+    runs.add_argument(
+        "--status",
+        choices=["running", "succeeded", "failed", "timed_out", "cancelled", "abandoned"],
+    )
+    runs.add_argument("--limit", type=int, default=20)
+    runs.add_argument("--before", type=int, help="the `next` cursor of the previous page")
+    runs.add_argument("--json", action="store_true", help="print JSON (as GET /cron/runs)")
+    runs.set_defaults(handler=cmd_runs)
+
+    locks = sub.add_parser("locks", help="advisory locks held now, mapped to jobs")
+    locks.add_argument("--json", action="store_true", help="print JSON (as GET /cron/locks)")
+    locks.set_defaults(handler=cmd_locks)
+
+    trigger = sub.add_parser(
+        "trigger",
+        help="POST a job to a running service (secret from CRON_SECRET or CRON_SECRET_FILE)",
+    )
+    trigger.add_argument("job")
+    trigger.add_argument(
+        "--url",
+        default=os.environ.get("CRONLOCK_URL", DEFAULT_SERVICE_URL),
+        help=f"the service (default: $CRONLOCK_URL or {DEFAULT_SERVICE_URL})",
+    )
+    trigger.add_argument("--force", action="store_true", help="run even if the slot is done")
+    trigger.add_argument("--slot", help="backfill this past tick (ISO time with offset)")
+    trigger.add_argument("--params", help="the job's params as JSON")
+    trigger.add_argument(
+        "--no-wait", action="store_true", help="answer once the lock is taken (202 + run id)"
+    )
+    trigger.add_argument(
+        "--follow", action="store_true", help="with --no-wait: poll the run until it ends"
+    )
+    trigger.add_argument("--timeout", type=float, default=3600.0, help="HTTP timeout, seconds")
+    trigger.add_argument("--json", action="store_true", help="print the answer as JSON")
+    trigger.set_defaults(handler=cmd_trigger)
+
+    cancel = sub.add_parser(
+        "cancel", help="cancel the running holder's statement (pg_cancel_backend); it rolls back"
+    )
+    cancel.add_argument("job")
+    cancel.add_argument(
+        "--terminate",
+        action="store_true",
+        help="end the holder's session instead (pg_terminate_backend), e.g. when it is idle "
+        "in its transaction between statements",
+    )
+    cancel.add_argument(
+        "--wait", type=float, default=10.0, help="seconds to wait for the lock to go"
+    )
+    cancel.add_argument("--json", action="store_true")
+    cancel.set_defaults(handler=cmd_cancel)
+
+    outbox = sub.add_parser("outbox", help="the email outbox: dead rows, requeue")
+    outbox_sub = outbox.add_subparsers(metavar="action")
+    dead = outbox_sub.add_parser("dead", help="dead-lettered emails with their last error")
+    dead.add_argument("--limit", type=int, default=100)
+    dead.add_argument("--json", action="store_true")
+    dead.set_defaults(handler=cmd_outbox_dead)
+    requeue = outbox_sub.add_parser("requeue", help="put dead emails back in the queue")
+    requeue.add_argument("ids", nargs="*", type=int, help="outbox row ids")
+    requeue.add_argument("--all", action="store_true", help="every dead row")
+    requeue.add_argument("--json", action="store_true")
+    requeue.set_defaults(handler=cmd_outbox_requeue)
+    outbox.set_defaults(handler=lambda args: _usage(outbox))
+
+    schedule = sub.add_parser("schedule", help="the external scheduler's configuration")
+    schedule_sub = schedule.add_subparsers(metavar="action")
+    export = schedule_sub.add_parser(
+        "export", help="write crontab, Kubernetes, vercel.json or compose scheduler config"
+    )
+    export.add_argument(
+        "--format", required=True, choices=["crontab", "kubernetes", "vercel", "compose"]
+    )
+    export.add_argument("--url", help="the service's base URL as the scheduler reaches it")
+    export.add_argument(
+        "--header-file",
+        default="/etc/cronlock/auth_header",
+        help="crontab: the curl header file holding the secret",
+    )
+    export.add_argument("--secret-name", default="cronlock", help="kubernetes: the Secret")
+    export.add_argument(
+        "--image", default="curlimages/curl:8.10.1", help="kubernetes/compose: a curl image"
+    )
+    export.add_argument("--output", "-o", type=Path, help="write here instead of stdout")
+    export.set_defaults(handler=cmd_schedule_export)
+    schedule.set_defaults(handler=lambda args: _usage(schedule))
+
+    catch_up = sub.add_parser(
+        "catch-up", help="run, once, the missed slot of each job with catch_up=True"
+    )
+    catch_up.add_argument("--json", action="store_true")
+    catch_up.set_defaults(handler=cmd_catch_up)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def _load_registry(settings: Settings) -> Any:
+    from app.errors import JobDefinitionError
+    from app.jobs import load
+
+    try:
+        return load(settings.job_modules, settings.lock_namespace)
+    except JobDefinitionError as exc:
+        raise SettingsError(str(exc)) from exc
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"cronlock: {message}", file=sys.stderr)
+    return code
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2))
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in cells)])
+
+
+def _when(value: datetime | None) -> str | None:
+    """A UTC time as people read it in a table."""
+    if value is None:
+        return None
+    return value.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _ms(value: float | None) -> str | None:
+    if value is None:
+        return None
+    return f"{value:.0f} ms" if value < 10_000 else f"{value / 1000:.1f} s"
+
+
+def _seconds(value: float | None) -> str | None:
+    return None if value is None else f"{value:.1f} s"
+
+
+async def _read_connection(settings: Settings) -> Any:
+    from app.db import connect
+
+    return await connect(settings)
+
+
+async def cmd_jobs(args: argparse.Namespace) -> int:
+    from app import ops
+    from app.errors import DatabaseUnavailable
+
+    settings = Settings()
+    registry = _load_registry(settings)
+    try:
+        conn = await _read_connection(settings)
+        try:
+            await ops.sweep(conn, settings)
+            async with ops.reading(conn):
+                view = await ops.jobs(conn, registry)
+        finally:
+            await conn.close()
+    except DatabaseUnavailable as exc:
+        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    if args.json:
+        _print_json(view.model_dump(mode="json"))
+        return EXIT_OK
+    rows = []
+    for j in view.jobs:
+        last = j.last_run
+        running = None
+        if j.running_on is not None:
+            running = (
+                f"{j.running_on.instance} pid {j.running_on.pid} {_seconds(j.running_on.held_for)}"
+            )
+        rows.append(
+            [
+                j.name,
+                f"{j.schedule} {j.tz}" if j.schedule else None,
+                last.status if last else None,
+                _when(last.slot or last.started_at) if last else None,
+                last.instance if last else None,
+                _ms(last.duration_ms) if last else None,
+                running,
+                _when(j.next_slot),
+                "OVERDUE" if j.overdue else ("no" if j.schedule else None),
+            ]
+        )
+    headers = [
+        "JOB",
+        "SCHEDULE",
+        "LAST",
+        "LAST SLOT/START",
+        "ON",
+        "TOOK",
+        "RUNNING",
+        "NEXT",
+        "LATE",
+    ]
+    print(_table(headers, rows))
+    print(f"(database time {_when(view.now)})")
+    return EXIT_OK
+
+
+async def cmd_runs(args: argparse.Namespace) -> int:
+    from app import ops
+    from app.errors import DatabaseUnavailable
+
+    if not 1 <= args.limit <= 500:
+        return _fail("--limit must be between 1 and 500", EXIT_USAGE)
+    settings = Settings()
+    registry = _load_registry(settings)
+    try:
+        conn = await _read_connection(settings)
+        try:
+            await ops.sweep(conn, settings, args.job)
+            async with ops.reading(conn):
+                page = await ops.runs(
+                    conn,
+                    registry,
+                    job=args.job,
+                    status=args.status,
+                    before=args.before,
+                    limit=args.limit,
+                )
+        finally:
+            await conn.close()
+    except DatabaseUnavailable as exc:
+        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    if args.json:
+        _print_json(page.model_dump(mode="json"))
+        return EXIT_OK
+    rows = [
+        [
+            r.id,
+            r.job,
+            _when(r.slot),
+            "running" if r.running else r.status,
+            r.trigger,
+            r.source,
+            r.instance,
+            _when(r.started_at),
+            _ms(r.duration_ms),
+            (r.error or "")[:60] or None,
+        ]
+        for r in page.runs
+    ]
+    headers = ["ID", "JOB", "SLOT", "STATUS", "TRIGGER", "SOURCE", "INSTANCE", "STARTED"]
+    print(_table([*headers, "TOOK", "ERROR"], rows))
+    if page.next is not None:
+        print(f"(more: --before {page.next})")
+    return EXIT_OK
+
+
+async def cmd_locks(args: argparse.Namespace) -> int:
+    from app import ops
+    from app.errors import DatabaseUnavailable
+
+    settings = Settings()
+    registry = _load_registry(settings)
+    try:
+        conn = await _read_connection(settings)
+        try:
+            async with ops.reading(conn):
+                found = await ops.locks(conn, registry)
+        finally:
+            await conn.close()
+    except DatabaseUnavailable as exc:
+        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    if args.json:
+        _print_json(ops.LocksView(locks=found).model_dump(mode="json"))
+        return EXIT_OK
+    if not found:
+        print("no advisory locks held")
+        return EXIT_OK
+    rows = [
+        [
+            lk.job or "(not a job)",
+            lk.key,
+            lk.pid,
+            lk.instance,
+            lk.state,
+            _seconds(lk.held_for),
+            lk.run_id,
+            "" if lk.granted else "waiting",
+        ]
+        for lk in found
+    ]
+    print(_table(["JOB", "KEY", "PID", "HOLDER", "STATE", "HELD FOR", "RUN", ""], rows))
+    return EXIT_OK
+
+
+# HTTP answers of `POST /cron/<job>` -> exit code.
+TRIGGER_EXIT = {
+    200: EXIT_OK,
+    202: EXIT_OK,
+    500: EXIT_FAILED,
+    503: EXIT_UNAVAILABLE,
+    504: EXIT_FAILED,
+}
+
+
+def cmd_trigger(args: argparse.Namespace) -> int:
+    import httpx
+
+    settings = Settings()
+    tokens = settings.secrets()
+    if not tokens:
+        return _fail("set CRON_SECRET or CRON_SECRET_FILE (never on the command line)", EXIT_USAGE)
+    headers = {"Authorization": f"Bearer {tokens[0].decode()}"}
+    params: dict[str, str] = {}
+    if args.force:
+        params["force"] = "true"
+    if args.slot:
+        params["slot"] = args.slot
+    if args.no_wait:
+        params["wait"] = "false"
+    content = args.params.encode() if args.params else None
+    if content is not None:
+        headers["Content-Type"] = "application/json"
+    base = args.url.rstrip("/")
+    try:
+        with httpx.Client(timeout=args.timeout) as client:
+            answer = client.post(
+                f"{base}/cron/{args.job}", params=params, content=content, headers=headers
+            )
+            body = _json_or_text(answer)
+            code = TRIGGER_EXIT.get(answer.status_code, EXIT_USAGE)
+            if answer.status_code == 202 and args.follow:
+                run = _follow(client, base, headers, body["run_id"])
+                body = {"accepted": body, "run": run}
+                code = EXIT_OK if run.get("status") == "succeeded" else EXIT_FAILED
+    except httpx.HTTPError as exc:
+        return _fail(f"service unreachable at {base}: {exc}", EXIT_UNAVAILABLE)
+    if args.json:
+        print(json.dumps(body))
+    elif isinstance(body, dict):
+        prefix = f"HTTP {answer.status_code}"
+        print(prefix + " " + " ".join(f"{k}={v}" for k, v in body.items()))
+    else:
+        print(f"HTTP {answer.status_code} {body}")
+    return code
+
+
+def _json_or_text(answer: Any) -> Any:
+    try:
+        return answer.json()
+    except ValueError:
+        return answer.text
+
+
+def _follow(client: Any, base: str, headers: dict[str, str], run_id: int) -> dict[str, Any]:
+    """Poll `GET /cron/runs/{id}` until the run has ended."""
+    import time
+
+    while True:
+        answer = client.get(f"{base}/cron/runs/{run_id}", headers=headers)
+        run: dict[str, Any] = answer.json()
+        if answer.status_code != 200 or run.get("status") != "running":
+            return run
+        time.sleep(0.5)
+
+
+async def cmd_cancel(args: argparse.Namespace) -> int:
+    import time
+
+    from app import ops
+    from app.errors import DatabaseUnavailable
+
+    settings = Settings()
+    registry = _load_registry(settings)
+    if args.job not in registry:
+        return _fail(f"unknown job {args.job!r}; known: {', '.join(registry)}", EXIT_USAGE)
+
+    async def holder(conn: Any) -> Any:
+        async with ops.reading(conn):
+            found = await ops.locks(conn, registry)
+        return next((lk for lk in found if lk.job == args.job and lk.granted), None)
+
+    try:
+        conn = await _read_connection(settings)
+    except DatabaseUnavailable as exc:
+        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    try:
+        first = await holder(conn)
+        if first is None:
+            return _fail(f"{args.job} is not running", EXIT_FAILED)
+        deadline = time.monotonic() + args.wait
+        signalled = released = False
+        current = first
+        while True:
+            # A cancel reaches only a statement in progress; between statements (idle in
+            # transaction) it is ignored, so it is sent whenever one is running.
+            if args.terminate and not signalled:
+                signalled = await ops.signal_holder(conn, first.pid, terminate=True)
+            elif not args.terminate and current.state == "active":
+                signalled = await ops.signal_holder(conn, first.pid, terminate=False) or signalled
+            await asyncio.sleep(0.1)
+            current = await holder(conn)
+            # Released, or already held by a newer run (a pooled backend may be reused at once).
+            if current is None or (current.pid, current.run_id) != (first.pid, first.run_id):
+                released = True
+                break
+            if time.monotonic() > deadline:
+                break
+        run = None
+        if first.run_id is not None:
+            # The runner records the outcome in its own transaction just after the rollback.
+            settle = time.monotonic() + 5.0
+            while True:
+                async with ops.reading(conn):
+                    run = await ops.run(conn, registry, first.run_id)
+                if run is None or run.status != "running" or time.monotonic() > settle:
+                    break
+                await asyncio.sleep(0.1)
+    except DatabaseUnavailable as exc:
+        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    finally:
+        await conn.close()
+    result = {
+        "job": args.job,
+        "pid": first.pid,
+        "instance": first.instance,
+        "run_id": first.run_id,
+        "signal": "terminate" if args.terminate else "cancel",
+        "released": released,
+        "run": run.model_dump(mode="json") if run is not None else None,
+    }
+    if args.json:
+        print(json.dumps(result))
+    elif released:
+        status = run.status if run is not None else "unknown"
+        print(
+            f"{args.job}: {result['signal']} sent to pid {first.pid} on {first.instance}; "
+            f"lock released; run {first.run_id} recorded as {status}"
+        )
+    elif not signalled:
+        print(
+            f"{args.job}: pid {first.pid} on {first.instance} ran no statement for {args.wait:g} s "
+            "(idle in transaction): a cancel only reaches a running statement; use --terminate",
+            file=sys.stderr,
+        )
+    else:
+        print(f"{args.job}: signal sent to pid {first.pid}, lock still held", file=sys.stderr)
+    return EXIT_OK if released else EXIT_FAILED
+
+
+async def cmd_outbox_dead(args: argparse.Namespace) -> int:
+    from app.errors import DatabaseUnavailable
+
+    settings = Settings()
+    try:
+        from app import outbox
+    except ImportError:
+        return _fail("this build has no outbox module", EXIT_USAGE)
+    try:
+        conn = await _read_connection(settings)
+    except DatabaseUnavailable as exc:
+        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    try:
+        rows = await outbox.dead_rows(conn, args.limit)
+    finally:
+        await conn.close()
+    if args.json:
+        _print_json({"dead": [r.as_json() for r in rows]})
+        return EXIT_OK
+    if not rows:
+        print("no dead emails")
+        return EXIT_OK
+    table = [
+        [r.id, r.job, _when(r.slot), r.recipient, r.attempts, (r.last_error or "")[:60]]
+        for r in rows
+    ]
+    print(_table(["ID", "JOB", "SLOT", "RECIPIENT", "ATTEMPTS", "LAST ERROR"], table))
+    return EXIT_OK
+
+
+async def cmd_outbox_requeue(args: argparse.Namespace) -> int:
+    from app.errors import DatabaseUnavailable
+
+    if bool(args.ids) == bool(args.all):
+        return _fail("give outbox ids, or --all", EXIT_USAGE)
+    settings = Settings()
+    try:
+        from app import outbox
+    except ImportError:
+        return _fail("this build has no outbox module", EXIT_USAGE)
+    try:
+        conn = await _read_connection(settings)
+    except DatabaseUnavailable as exc:
+        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    try:
+        done = await outbox.requeue(
+            conn, "all" if args.all else args.ids, retry_window=settings.outbox_retry_window
+        )
+    finally:
+        await conn.close()
+    if args.json:
+        _print_json({"requeued": [r.as_json() for r in done]})
+    else:
+        for r in done:
+            key = "a new idempotency key" if r.new_key else "its idempotency key"
+            print(f"requeued {r.id} with {key} {r.idempotency_key}")
+        missing = sorted(set(args.ids) - {r.id for r in done})
+        if missing:
+            print(f"not dead (left alone): {', '.join(map(str, missing))}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_schedule_export(args: argparse.Namespace) -> int:
+    from app.export import ExportError, export
+
+    settings = Settings()
+    registry = _load_registry(settings)
+    try:
+        text, notes = export(
+            registry,
+            args.format,
+            url=args.url,
+            header_file=args.header_file,
+            secret_name=args.secret_name,
+            image=args.image,
+        )
+    except ExportError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    if args.output is not None:
+        args.output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    for note in notes:
+        print(f"cronlock: {note}", file=sys.stderr)
+    return EXIT_OK
+
+
+async def cmd_catch_up(args: argparse.Namespace) -> int:
+    from app import ops
+    from app.api import outcome_response
+    from app.db import Database
+    from app.errors import DatabaseUnavailable
+    from app.runner import Runner
+
+    settings = Settings()
+    registry = _load_registry(settings)
+    db = Database(settings)
+    await db.open()
+    try:
+        await db.check(apply_migrations=False)
+        outcomes = await ops.catch_up(Runner(settings, registry, db))
+    except DatabaseUnavailable as exc:
+        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    finally:
+        await db.close()
+    bodies = [json.loads(bytes(outcome_response(o).body)) for o in outcomes]
+    if args.json:
+        print(json.dumps({"caught_up": bodies}))
+    elif not bodies:
+        print("nothing to catch up")
+    else:
+        for body in bodies:
+            print(" ".join(f"{k}={v}" for k, v in body.items()))
+    failed = [o for o in outcomes if o.kind not in ("succeeded", "skipped")]
+    return EXIT_FAILED if failed else EXIT_OK

@@ -242,8 +242,11 @@ async def sweep(conn: Conn, settings: Settings, job: str | None = None) -> list[
         return []
 
 
-async def jobs(conn: Conn, registry: Registry) -> JobsView:
-    now: datetime = await conn.fetchval(NOW_SQL)
+async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -> JobsView:
+    """Every job's state; `now` defaults to the database's clock (tests pass another)."""
+    if now is None:
+        now = await conn.fetchval(NOW_SQL)
+        assert now is not None
     names = list(registry)
     holders = _holders(await locks(conn, registry), registry)
     last = await ledger.last_runs(conn, names)
