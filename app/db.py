@@ -218,6 +218,7 @@ class Database:
         self.migrated = False
         self.standby = False
         self.problem: str | None = "database not checked yet"
+        self._checking: asyncio.Future[str | None] | None = None
 
     async def open(self) -> None:
         if self._pool is None and self.settings.database_url:
@@ -297,6 +298,19 @@ class Database:
         """Jobs run only once migrations are current; reachability is found out per request."""
         if not self.migrated:
             raise DatabaseUnavailable(self.problem or "migrations not applied yet")
+
+    async def ensure_ready(self) -> None:
+        """`require_ready`, but a database not known ready yet is looked at now rather than at
+        the watcher's next round: the first trigger after start-up or an outage need not wait.
+        Concurrent callers share one check."""
+        if self.migrated:
+            return
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.ensure_future(
+                self.check(apply_migrations=self.settings.migrate_on_start)
+            )
+        await asyncio.shield(self._checking)
+        self.require_ready()
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Re-check the server: quickly until it is ready, then now and then (a primary can be

@@ -139,7 +139,7 @@ class Runner:
     async def _probe(self, job: Job, source: str) -> Outcome | None:
         """The cheap first look: skip without a transaction when the lock is visibly held or
         this instance already knows the slot is done; None means "go and try for real"."""
-        self.db.require_ready()
+        await self.db.ensure_ready()
         assert self.probe_keys is not None
         conn = await self.db.acquire()
         try:
@@ -188,7 +188,7 @@ class Runner:
     async def _acquire(
         self, job: Job, trigger: Trigger, backfill: datetime | None, params: Any, source: str
     ) -> _Lease | Outcome:
-        self.db.require_ready()
+        await self.db.ensure_ready()
         conn = await self.db.acquire()
         tx: asyncpg.transaction.Transaction | None = None
         handed_over = False
