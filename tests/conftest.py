@@ -147,7 +147,11 @@ def start_instance(
     request: pytest.FixtureRequest, database_url: str, tmp_path: Path
 ) -> Iterator[Callable[..., Instance]]:
     """`start_instance(name="i1", env=None, **kw)`: a real uvicorn process on this test's
-    database, ready (GET /healthz = 200) when returned; stopped at teardown."""
+    database, stopped at teardown; `kw` goes to `Instance` (port, app_factory, ready_path...).
+
+    Returned once ready: GET /readyz = 200 on this test's database (the service has seen it
+    migrated, so the first request is not a 503), or GET /healthz = 200 when `env` points
+    DATABASE_URL elsewhere (a server that may be down, a standby...)."""
     started: list[Instance] = []
     request.node.stash[INSTANCES_KEY] = started
 
@@ -160,6 +164,8 @@ def start_instance(
             **(env or {}),
         }
         kw.setdefault("dir", tmp_path / "instances" / name)
+        own_database = full_env["DATABASE_URL"] == database_url
+        kw.setdefault("ready_path", "/readyz" if own_database else "/healthz")
         instance = Instance(name, full_env, **kw)
         started.append(instance)
         instance.start()
