@@ -22,6 +22,7 @@ import pytest
 from app.cluster import Instance, Nginx, PgBouncer
 from app.embedded import LocalPostgres
 from tests.support import TEST_SECRET
+from tests.support.binaries import require_binary
 from tests.support.postgres import (
     ExternalPostgres,
     PostgresServer,
@@ -181,22 +182,13 @@ def start_instance(
 # --- PgBouncer and nginx ------------------------------------------------------------------
 
 
-def _require_binary(name: str) -> None:
-    if shutil.which(name):
-        return
-    reason = f"`{name}` is not installed (Debian package `{name}`; CI installs it)"
-    if os.environ.get("CRONLOCK_SKIP_CLUSTER") == "1":
-        pytest.skip(reason)
-    pytest.fail(reason + "; set CRONLOCK_SKIP_CLUSTER=1 to skip these tests")
-
-
 @pytest.fixture(scope="session")
 def pgbouncer(pg_server: PostgresServer) -> Iterator[PgBouncer]:
     """PgBouncer (transaction mode) in front of `pg_server`; `pgbouncer.dsn(db)` for a db.
 
     If it dies during a test, that test errors with PgBouncer's log; it is never restarted.
     """
-    _require_binary("pgbouncer")
+    require_binary("pgbouncer")
     root = _scratch_dir("cronlock-bouncer-")
     user = password = None
     if isinstance(pg_server, ExternalPostgres):
@@ -235,7 +227,7 @@ def _cluster_liveness(request: pytest.FixtureRequest) -> Iterator[None]:
 @pytest.fixture
 def start_nginx() -> Iterator[Callable[..., Nginx]]:
     """`start_nginx(upstreams, **kw)`: nginx on a free port proxying to "host:port"s."""
-    _require_binary("nginx")
+    require_binary("nginx")
     started: list[tuple[Nginx, Path]] = []
 
     def start(upstreams: list[str], **kw: Any) -> Nginx:

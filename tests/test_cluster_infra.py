@@ -15,6 +15,7 @@ import pytest
 
 from app.cluster import Cluster, Instance, Nginx, PgBouncer, ServiceError, sizing
 from tests.support import TEST_SECRET, auth_headers
+from tests.support.binaries import require_binary
 from tests.support.postgres import PostgresServer
 
 ECHO_APP = "tests.support.echo_app:create_app"
@@ -50,7 +51,7 @@ def start_echo(scratch: Path) -> Iterator[Callable[..., Instance]]:
 @pytest.fixture
 def small_bouncer(pg_server: PostgresServer, scratch: Path) -> Iterator[PgBouncer]:
     """A PgBouncer of its own with ONE server connection: pooling becomes visible."""
-    shutil.which("pgbouncer") or pytest.fail("pgbouncer is not installed")
+    require_binary("pgbouncer")
     bouncer = PgBouncer(
         pg_server.host, pg_server.port, default_pool_size=1, max_client_conn=10, dir=scratch / "b"
     )
@@ -166,6 +167,8 @@ def test_sizing_leaves_room_for_every_pooled_connection() -> None:
 
 
 def test_cluster_starts_and_stops_everything(database_url: str, scratch: Path) -> None:
+    require_binary("pgbouncer")
+    require_binary("nginx")
     cluster = Cluster(
         scratch / "cluster",
         instances=2,
