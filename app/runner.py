@@ -326,14 +326,14 @@ class Runner:
         try:
             await lease.tx.rollback()
         except Exception:  # the connection is gone: the server rolled back for us
-            lease.conn.terminate()
+            _terminate(lease.conn)
         await self._record(lease.ctx.run_id, status, error)
 
     async def _abort(self, lease: _Lease, task: asyncio.Task[Any], status: str, error: str) -> None:
         # Closing the socket ends the transaction server-side at once (and, with
         # client_connection_check_interval, even a statement that is still running), without
         # the cancel request that asyncpg would send through PgBouncer on task cancellation.
-        lease.conn.terminate()
+        _terminate(lease.conn)
         task.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.wait({task}, timeout=1.0)
@@ -408,7 +408,7 @@ class Runner:
             try:
                 await tx.rollback()
             except Exception:
-                conn.terminate()
+                _terminate(conn)
         await self.db.release(conn)
 
     async def shutdown(self, grace: float) -> None:
@@ -420,3 +420,10 @@ class Runner:
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=5.0)
+
+
+def _terminate(conn: Conn) -> None:
+    """Close a connection's socket; one the server already dropped is closed already (asyncpg
+    then detaches it from its pool proxy, which would make `terminate` raise)."""
+    with contextlib.suppress(asyncpg.InterfaceError):
+        conn.terminate()
