@@ -811,14 +811,15 @@ class Sender:
             return
         self._stopping = True  # rows still waiting for a send slot are given back at once
         timeout = self.settings.outbox_shutdown_timeout
-        # Keep a little of the budget for giving back the sends we have to cut off.
-        budget = max(0.0, timeout - min(1.0, timeout / 4))
-        _, pending = await asyncio.wait(set(tasks), timeout=budget)
+        # Keep a little of the budget for giving back the sends we have to cut off, and half a
+        # second more: the rows are then due at once instead of after their lease.
+        reserve = min(1.0, timeout / 4)
+        _, pending = await asyncio.wait(set(tasks), timeout=timeout - reserve)
         for task in pending:
             task.cancel()
         if pending:
             log.warning("outbox: cut off %d in-flight sends at shutdown", len(pending))
-            await asyncio.wait(pending, timeout=timeout - budget)
+            await asyncio.wait(pending, timeout=reserve + 0.5)
 
     async def _prune(self) -> None:
         try:

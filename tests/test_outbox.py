@@ -1,0 +1,682 @@
+"""Outbox delivery against real PostgreSQL and a real local provider (tests/support/provider.py).
+
+A few tests move a row's `next_attempt_at` to now() instead of sleeping through a backoff:
+they check the schedule the sender wrote, then skip the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from app import db as appdb
+from app import outbox
+from app.mailer import HttpMailer
+from app.settings import Settings
+from tests.support.provider import Provider, Reply
+
+ROOT = Path(__file__).resolve().parent.parent
+API_KEY = "re_test_key"
+
+MakeSettings = Callable[..., Settings]
+
+# Set-based, like the digest job: the idempotency key comes from the column's default.
+QUEUE_SQL = """
+INSERT INTO email_outbox (job, slot, user_id, sender, recipient, subject, body)
+SELECT 'test', '2026-01-01T07:00:00Z', g, 'cronlock <digest@example.com>',
+       'user' || g || '@example.com', 'Digest ' || g, 'Hello user ' || g || E',\\nbye.\\n'
+FROM generate_series($1::int, $2::int) AS g
+"""
+
+
+async def queue(conn: asyncpg.Connection, count: int, first: int = 1) -> list[str]:
+    """Queue `count` emails; returns their keys."""
+    await conn.execute(QUEUE_SQL, first, first + count - 1)
+    rows = await conn.fetch(
+        "SELECT idempotency_key FROM email_outbox WHERE user_id BETWEEN $1 AND $2 ORDER BY id",
+        first,
+        first + count - 1,
+    )
+    return [r["idempotency_key"] for r in rows]
+
+
+async def row(conn: asyncpg.Connection, key: str) -> asyncpg.Record:
+    found = await conn.fetchrow(
+        """SELECT *, extract(epoch FROM next_attempt_at - clock_timestamp())::float8 AS due_in
+           FROM email_outbox WHERE idempotency_key = $1""",
+        key,
+    )
+    assert found is not None
+    return found
+
+
+async def make_due(conn: asyncpg.Connection) -> None:
+    await conn.execute("UPDATE email_outbox SET next_attempt_at = now() WHERE status = 'pending'")
+
+
+async def until(
+    check: Callable[[], Any], within: float, what: str, *, every: float = 0.02
+) -> float:
+    """Poll `check` (sync or async) without blocking the loop; returns the seconds it took."""
+    start = time.monotonic()
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return time.monotonic() - start
+        if time.monotonic() - start > within:
+            raise AssertionError(f"timed out after {within} s waiting for {what}")
+        await asyncio.sleep(every)
+
+
+async def counts(conn: asyncpg.Connection) -> Counter[str]:
+    rows = await conn.fetch("SELECT status, count(*) AS n FROM email_outbox GROUP BY status")
+    return Counter({r["status"]: r["n"] for r in rows})
+
+
+@pytest.fixture
+def provider() -> Iterator[Provider]:
+    with Provider() as p:
+        yield p
+
+
+@pytest.fixture
+def outbox_settings(make_settings: MakeSettings, provider: Provider) -> MakeSettings:
+    """Settings for a sender talking to the provider stand-in: fast timers, no rate limit."""
+
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "email_backend": "http",
+            "email_api_url": provider.url,
+            "email_api_key": API_KEY,
+            "outbox_rate_limit": 0,
+            "outbox_lease": 5.0,
+            "outbox_send_timeout": 2.0,
+            "outbox_backoff_base": 0.2,
+            "outbox_backoff_max": 5.0,
+            "outbox_poll_interval": 0.1,
+            "outbox_shutdown_timeout": 2.0,
+            "outbox_batch_size": 20,
+            "outbox_concurrency": 4,
+        }
+        values.update(overrides)
+        return make_settings(**values)
+
+    return make
+
+
+@asynccontextmanager
+async def sender(settings: Settings, name: str = "s1") -> AsyncIterator[outbox.Sender]:
+    """A Sender on a pool of its own, with the HTTP backend."""
+    pool = await appdb.create_pool(settings)
+    mailer = HttpMailer(
+        settings.email_api_url,
+        API_KEY,
+        timeout=settings.outbox_send_timeout,
+        max_connections=settings.outbox_concurrency,
+    )
+    try:
+        yield outbox.Sender(pool, settings, mailer, name, rng=random.Random(7))
+    finally:
+        await mailer.aclose()
+        await pool.close()
+
+
+@asynccontextmanager
+async def running(s: outbox.Sender) -> AsyncIterator[asyncio.Event]:
+    """`s.run()` in the background; stopped (gracefully) on exit."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(s.run(stop))
+    try:
+        yield stop
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, s.settings.outbox_shutdown_timeout + 5)
+
+
+# --- enqueue --------------------------------------------------------------------------------
+
+
+async def test_enqueue_belongs_to_the_callers_transaction(
+    db: asyncpg.Connection, database_url: str
+) -> None:
+    """Rolled back with the job, notified only at commit, once per (job, slot, user)."""
+    heard: list[str] = []
+    listener = await asyncpg.connect(database_url)
+    await listener.add_listener(outbox.NOTIFY_CHANNEL, lambda *a: heard.append(a[2]))
+    try:
+        email: dict[str, Any] = {
+            "job": "digest",
+            "slot": None,
+            "user_id": 1,
+            "recipient": "ada@example.com",
+            "subject": "s",
+            "body": "b",
+            "sender": "cronlock <digest@example.com>",
+        }
+        tx = db.transaction()
+        await tx.start()
+        await outbox.enqueue(db, **email)
+        await tx.rollback()
+        assert await db.fetchval("SELECT count(*) FROM email_outbox") == 0
+
+        slot = await db.fetchval("SELECT date_trunc('day', now())")
+        async with db.transaction():
+            await outbox.enqueue(db, **{**email, "slot": slot})
+            await asyncio.sleep(0.1)
+            assert heard == []  # NOTIFY waits for the commit
+        await until(lambda: heard, 2, "the notification")
+        async with db.transaction():
+            await outbox.enqueue(db, **{**email, "slot": slot})  # the same slot again: no-op
+        key = await db.fetchval("SELECT idempotency_key FROM email_outbox")
+        assert await db.fetchval("SELECT count(*) FROM email_outbox") == 1
+        assert uuid.UUID(key)
+    finally:
+        await listener.close()
+
+
+async def test_set_based_inserts_get_distinct_keys(db: asyncpg.Connection) -> None:
+    keys = await queue(db, 50)
+    assert len(set(keys)) == 50
+
+
+# --- claim, send, mark ----------------------------------------------------------------------
+
+
+async def test_drain_delivers_and_marks_sent(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    keys = await queue(db, 30)
+    async with sender(outbox_settings()) as s:
+        handled = [await s.drain_once() for _ in range(3)]
+    assert handled == [20, 10, 0]
+    assert provider.delivered() == Counter(dict.fromkeys(keys, 1))
+    rows = await db.fetch("SELECT * FROM email_outbox ORDER BY id")
+    ids = {r.key: r.message_id for r in provider.requests}
+    for r in rows:
+        assert r["status"] == "sent"
+        assert r["attempts"] == 1
+        assert r["provider_message_id"] == ids[r["idempotency_key"]]
+        assert r["claim_token"] is None
+        assert r["locked_until"] is None
+        assert r["sent_at"] is not None
+
+
+def test_backoff_grows_with_jitter_and_honours_retry_after() -> None:
+    rng = random.Random(1)
+    for attempt, step in [(1, 2.0), (2, 4.0), (3, 8.0), (4, 16.0), (10, 60.0)]:
+        delays = [outbox.backoff_delay(attempt, base=2.0, cap=60.0, rng=rng) for _ in range(200)]
+        assert step / 2 <= min(delays) < max(delays) <= step
+    assert outbox.backoff_delay(1, base=2.0, cap=60.0, retry_after=30.0) == 30.0
+    assert outbox.backoff_delay(5, base=2.0, cap=60.0, retry_after=0.5) >= 16.0
+
+
+async def test_retry_schedule(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """500, 503 and 429 are retried with growing, jittered delays (Retry-After wins when
+    longer); every attempt sends the same key and bytes; the fourth one lands."""
+    [key] = await queue(db, 1)
+    provider.script(key, Reply(500), Reply(503), Reply(429, retry_after="5"))
+    expected = [(0.5, 1.0), (1.0, 2.0), (5.0, 5.0)]  # base 1: step/2 .. step; then Retry-After
+    async with sender(outbox_settings(outbox_backoff_base=1.0)) as s:
+        for attempt, (low, high) in enumerate(expected, start=1):
+            assert await s.drain_once() == 1
+            r = await row(db, key)
+            assert (r["status"], r["attempts"]) == ("pending", attempt)
+            assert low - 0.4 <= r["due_in"] <= high  # minus the time since the mark
+            assert r["last_error"].startswith(f"HTTP {provider.requests[-1].status}")
+            assert r["claim_token"] is None
+            assert await s.drain_once() == 0  # not due yet
+            await make_due(db)
+        assert await s.drain_once() == 1
+    r = await row(db, key)
+    assert (r["status"], r["attempts"]) == ("sent", 4)
+    requests = provider.for_key(key)
+    assert [q.status for q in requests] == [500, 503, 429, 200]
+    assert len({q.body for q in requests}) == 1
+
+
+async def test_permanent_failure_is_dead_at_once(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    [key, other] = await queue(db, 2)
+    provider.script(key, Reply(422, body='{"message": "invalid to"}'))
+    async with sender(outbox_settings()) as s:
+        assert await s.drain_once() == 2
+    r = await row(db, key)
+    assert (r["status"], r["attempts"]) == ("dead", 1)
+    assert r["last_error"] == 'HTTP 422: {"message": "invalid to"}'
+    assert (await row(db, other))["status"] == "sent"
+    assert len(provider.for_key(key)) == 1
+    stats = await outbox.outbox_stats(db)
+    assert (stats["pending"], stats["dead"]) == (0, 1)
+
+
+async def test_dead_after_max_attempts(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    [key] = await queue(db, 1)
+    provider.script(key, *[Reply(500)] * 5)
+    async with sender(outbox_settings(outbox_max_attempts=3)) as s:
+        for _ in range(3):
+            assert await s.drain_once() == 1
+            await make_due(db)
+        assert await s.drain_once() == 0
+    r = await row(db, key)
+    assert (r["status"], r["attempts"]) == ("dead", 3)
+    assert r["last_error"].endswith("(gave up after 3 attempts)")
+    assert len(provider.for_key(key)) == 3
+
+
+async def test_dead_when_the_retry_window_ends(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """A retry may not fall after the key's window; a key already past it is never sent."""
+    [closing, expired] = await queue(db, 2)
+    await db.execute(
+        """UPDATE email_outbox SET key_created_at = now() - CASE idempotency_key
+               WHEN $1 THEN interval '59 seconds' ELSE interval '61 seconds' END""",
+        closing,
+    )
+    provider.script(closing, Reply(503))
+    async with sender(outbox_settings(outbox_retry_window=60.0, outbox_backoff_base=4.0)) as s:
+        assert await s.drain_once() == 2
+    r = await row(db, closing)
+    assert r["status"] == "dead"
+    assert (
+        r["last_error"] == 'HTTP 503: {"name": "scripted", "statusCode": 503} (retry window ended)'
+    )
+    r = await row(db, expired)
+    assert r["status"] == "dead"
+    assert "retry window ended" in r["last_error"]
+    assert provider.for_key(expired) == []
+
+
+async def test_a_row_that_keeps_killing_its_sender_goes_dead(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """Claims count as attempts: a row claimed max_attempts times without an outcome (its
+    senders died) is dead-lettered instead of sent again."""
+    [key] = await queue(db, 1)
+    await db.execute("UPDATE email_outbox SET attempts = 3")
+    async with sender(outbox_settings(outbox_max_attempts=3)) as s:
+        assert await s.drain_once() == 1
+    r = await row(db, key)
+    assert r["status"] == "dead"
+    assert r["last_error"] == "claimed 3 times without an outcome; gave up"
+    assert provider.requests == []
+
+
+async def test_requeue(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """Dead rows go back to the queue; a key past the window is replaced, and it says so."""
+    [recent, old, untouched] = await queue(db, 3)
+    await db.execute(
+        """UPDATE email_outbox SET status = 'dead', attempts = 12, last_error = 'HTTP 500: x',
+                  key_created_at = now() - CASE WHEN idempotency_key = $1
+                      THEN interval '2 hours' ELSE interval '1 minute' END""",
+        old,
+    )
+    dead = await outbox.dead_rows(db, limit=10)
+    assert [d.idempotency_key for d in dead] == [recent, old, untouched]
+    assert dead[0].last_error == "HTTP 500: x"
+    ids = {d.idempotency_key: d.id for d in dead}
+
+    done = await outbox.requeue(db, [ids[recent], ids[old]], retry_window=3600.0)
+    assert [(r.id, r.previous_key, r.new_key) for r in done] == [
+        (ids[recent], recent, False),
+        (ids[old], old, True),
+    ]
+    assert done[0].idempotency_key == recent
+    fresh = done[1].idempotency_key
+    assert fresh != old
+    rows = {
+        r["id"]: r
+        for r in await db.fetch(
+            "SELECT *, now() - key_created_at < interval '10 seconds' AS new FROM email_outbox"
+        )
+    }
+    assert rows[ids[old]]["new"]
+    assert not rows[ids[recent]]["new"]
+    assert [(rows[i]["status"], rows[i]["attempts"]) for i in (ids[recent], ids[old])] == [
+        ("pending", 0),
+        ("pending", 0),
+    ]
+    assert rows[ids[untouched]]["status"] == "dead"
+    assert await outbox.requeue(db, [ids[recent]]) == []  # not dead any more
+
+    async with sender(outbox_settings()) as s:
+        assert await s.drain_once() == 2
+    assert set(provider.delivered()) == {recent, fresh}
+    assert [r.id for r in await outbox.requeue(db, "all")] == [ids[untouched]]
+
+
+async def test_expired_lease_cannot_overwrite_the_new_claim(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """Sender A's send outlives its lease; B claims the row; A's answer arrives and its
+    mark matches nothing, so B's claim (and then B's outcome) stands."""
+    [key] = await queue(db, 1)
+    provider.slow(key, 1.2)
+    settings = outbox_settings(outbox_lease=0.5, outbox_send_timeout=3.0)
+    async with sender(settings, "A") as a:
+        slow_send = asyncio.create_task(a.drain_once())
+        await until(lambda: provider.in_flight == 1, 2, "A's request")
+        await until(
+            lambda: db.fetchval("SELECT locked_until < now() FROM email_outbox"), 2, "the lease"
+        )
+        b_claim = await outbox.claim(db, limit=10, lease=30.0)
+        assert [r.email.idempotency_key for r in b_claim.rows] == [key]
+        assert await slow_send == 1  # A got its 200 and tried to mark the row sent
+        assert a.stats.lost == 1
+        assert a.stats.sent == 0
+    r = await row(db, key)
+    assert r["claim_token"] == b_claim.token
+    assert (r["status"], r["provider_message_id"], r["attempts"]) == ("pending", None, 2)
+
+    written = await outbox.mark(
+        db,
+        b_claim.token,
+        [(r["id"], outbox.Outcome("sent", message_id="from-b"))],
+        max_attempts=12,
+        retry_window=3600.0,
+    )
+    assert written == {r["id"]: "sent"}
+    assert (await row(db, key))["provider_message_id"] == "from-b"
+
+
+async def test_rate_limit_is_shared_by_senders(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """Two senders on separate pools stay under one budget: 20/s with a burst of 20."""
+    rate, total = 20.0, 60
+    await queue(db, total)
+    settings = outbox_settings(outbox_rate_limit=rate, outbox_poll_interval=0.05)
+    async with sender(settings, "A") as a, sender(settings, "B") as b, running(a), running(b):
+        await until(lambda: len(provider.requests) == total, 10, "every email to be delivered")
+    times = sorted(r.received for r in provider.requests)
+    elapsed = times[-1] - times[0]
+    assert elapsed >= (total - rate) / rate * 0.9
+    for i, t in enumerate(times):
+        # Never more than the burst plus what the rate refilled since the first send.
+        assert i + 1 <= rate + rate * (t - times[0]) + 2
+    assert a.stats.sent > 0
+    assert b.stats.sent > 0
+    assert a.stats.sent + b.stats.sent == total
+
+
+async def test_notify_wakes_an_idle_sender(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """With a 30 s poll, only LISTEN/NOTIFY can deliver within a second of the commit."""
+    async with sender(outbox_settings(outbox_poll_interval=30.0)) as s, running(s):
+        await asyncio.sleep(0.5)  # idle: the first poll found nothing
+        async with db.transaction():
+            await queue(db, 3)
+            await db.execute(outbox.NOTIFY_SQL)
+        took = await until(lambda: len(provider.requests) == 3, 5, "delivery after NOTIFY")
+    assert took < 1.5
+
+
+async def test_graceful_stop_finishes_in_flight_and_gives_back_the_rest(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    await queue(db, 10)
+    provider.delay = 0.4
+    settings = outbox_settings(outbox_concurrency=2, outbox_batch_size=10)
+    async with sender(settings) as s:
+        stop = asyncio.Event()
+        task = asyncio.create_task(s.run(stop))
+        await until(lambda: provider.in_flight == 2, 2, "two sends in flight")
+        stop.set()
+        await asyncio.wait_for(task, settings.outbox_shutdown_timeout + 1)
+    rows = await db.fetch("SELECT * FROM email_outbox ORDER BY id")
+    assert Counter(r["status"] for r in rows) == {"sent": 2, "pending": 8}
+    for r in rows:
+        assert r["claim_token"] is None
+        if r["status"] == "pending":
+            assert r["attempts"] == 0  # given back unsent: not an attempt
+    assert len(provider.requests) == 2
+
+
+async def test_stop_cuts_off_hung_sends_and_releases_them(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """Sends still hanging at the shutdown timeout are cut off and their rows released at once
+    (not after the lease); the next sender sends the same key and the provider replays."""
+    await queue(db, 4)
+    provider.hold()
+    settings = outbox_settings(outbox_concurrency=2, outbox_lease=30.0, outbox_shutdown_timeout=0.5)
+    async with sender(settings) as s:
+        stop = asyncio.Event()
+        task = asyncio.create_task(s.run(stop))
+        await until(lambda: provider.in_flight == 2, 2, "two sends in flight")
+        stop.set()
+        await asyncio.wait_for(task, 2)
+    rows = await db.fetch("SELECT *, next_attempt_at <= now() AS due FROM email_outbox")
+    assert all(r["status"] == "pending" and r["due"] and r["claim_token"] is None for r in rows)
+    assert sorted(r["attempts"] for r in rows) == [0, 0, 1, 1]
+    provider.release()
+    await until(lambda: provider.in_flight == 0, 2, "the held answers")
+    async with sender(settings) as s:
+        assert await s.drain_once() == 4
+    assert await counts(db) == {"sent": 4}
+    assert max(provider.delivered().values()) == 1
+
+
+async def test_prune_deletes_only_old_sent_rows(db: asyncpg.Connection) -> None:
+    await queue(db, 6)
+    await db.execute(
+        """UPDATE email_outbox SET status = 'sent', sent_at = now() - interval '8 days'
+           WHERE user_id <= 3"""
+    )
+    await db.execute(
+        "UPDATE email_outbox SET status = 'sent', sent_at = now() - interval '6 days' "
+        "WHERE user_id = 4"
+    )
+    await db.execute("UPDATE email_outbox SET status = 'dead' WHERE user_id = 5")
+    assert await outbox.prune_sent(db, 7.0, chunk=2) == 3
+    left = await db.fetch("SELECT user_id FROM email_outbox ORDER BY user_id")
+    assert [r["user_id"] for r in left] == [4, 5, 6]
+
+
+async def test_stats_use_the_database_clock(db: asyncpg.Connection) -> None:
+    assert await outbox.outbox_stats(db) == {
+        "pending": 0,
+        "due": 0,
+        "oldest_pending_seconds": 0.0,
+        "dead": 0,
+    }
+    await queue(db, 3)
+    await db.execute("UPDATE email_outbox SET created_at = now() - interval '90 seconds'")
+    await db.execute("UPDATE email_outbox SET status = 'dead' WHERE user_id = 1")
+    await db.execute(
+        "UPDATE email_outbox SET next_attempt_at = now() + interval '1 hour' WHERE user_id = 2"
+    )
+    stats = await outbox.outbox_stats(db)
+    assert (stats["pending"], stats["due"], stats["dead"]) == (2, 1, 1)
+    assert 90 <= stats["oldest_pending_seconds"] < 100
+
+
+# --- several OS processes -------------------------------------------------------------------
+
+
+def worker_env(database_url: str, provider: Provider, **settings: Any) -> dict[str, str]:
+    """The environment of a `tests.outbox_worker` process (settings from env only)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "EMAIL_"))}
+    env.update(
+        {
+            "DATABASE_URL": database_url,
+            "EMAIL_BACKEND": "http",
+            "EMAIL_API_URL": provider.url,
+            "EMAIL_API_KEY": API_KEY,
+            "OUTBOX_RATE_LIMIT": "0",
+            "OUTBOX_POLL_INTERVAL": "0.1",
+            "LOG_LEVEL": "WARNING",
+            "PYTHONPATH": str(ROOT),
+        }
+    )
+    env.update({k.upper(): str(v) for k, v in settings.items()})
+    return env
+
+
+def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.outbox_worker"],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def stop_workers(workers: list[subprocess.Popen[bytes]], log: Path) -> list[int]:
+    for w in workers:
+        if w.poll() is None:
+            w.send_signal(signal.SIGTERM)
+    codes = []
+    for w in workers:
+        try:
+            codes.append(w.wait(15))
+        except subprocess.TimeoutExpired:
+            w.kill()
+            codes.append(w.wait())
+    if any(code not in (0, -signal.SIGKILL) for code in codes):
+        print(log.read_text()[-4000:])
+    return codes
+
+
+async def test_ten_thousand_emails_three_processes(
+    db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
+) -> None:
+    """Three sender processes share 10,000 emails: each key is requested and delivered
+    exactly once, and nothing is left behind."""
+    total = 10_000
+    keys = await queue(db, total)
+    env = worker_env(
+        database_url,
+        provider,
+        outbox_batch_size=200,
+        outbox_concurrency=8,
+        outbox_lease=60,
+    )
+    log = tmp_path / "workers.log"
+    workers = [start_worker(env, log) for _ in range(3)]
+    try:
+        await until(
+            lambda: db.fetchval(
+                "SELECT count(*) = $1 FROM email_outbox WHERE status = 'sent'", total
+            ),
+            150,
+            "all 10,000 to be sent",
+            every=0.5,  # counting 10,000 rows is not free: leave the CPU to the senders
+        )
+    finally:
+        codes = stop_workers(workers, log)
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(f"\nworkers' CPU: {usage.ru_utime + usage.ru_stime:.1f} s for {total} emails")
+    assert codes == [0, 0, 0]  # SIGTERM is a clean stop
+    requests = Counter(r.key for r in provider.requests)
+    assert len(requests) == total
+    assert set(requests) == set(keys)
+    assert max(requests.values()) == 1  # never sent twice: no key even reached the provider twice
+    assert provider.delivered() == Counter(dict.fromkeys(keys, 1))
+    assert await counts(db) == {"sent": total}
+    mismatched = await db.fetchval(
+        """SELECT count(*) FROM email_outbox o
+           JOIN unnest($1::text[], $2::text[]) AS p(key, id) ON p.key = o.idempotency_key
+           WHERE o.provider_message_id IS DISTINCT FROM p.id""",
+        [r.key for r in provider.requests],
+        [r.message_id for r in provider.requests],
+    )
+    assert mismatched == 0
+    senders = await db.fetchval("SELECT count(DISTINCT attempts) FROM email_outbox")
+    assert senders == 1  # every row went out on its first claim
+
+
+async def test_sender_killed_mid_batch(
+    db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
+) -> None:
+    """`kill -9` a sender while its requests are in flight: after the lease the rest are
+    delivered by other senders, and the only repeats are requests with the same key and the
+    same bytes, which the provider answers without delivering again."""
+    total = 400
+    keys = await queue(db, total)
+    lease = 2.0
+    env = worker_env(
+        database_url,
+        provider,
+        outbox_batch_size=50,
+        outbox_concurrency=8,
+        outbox_lease=lease,
+        outbox_send_timeout=1.0,
+    )
+    log = tmp_path / "workers.log"
+    victim = start_worker(env, log)
+    workers = [victim]
+    try:
+        await until(lambda: provider.received() >= 60, 20, "the victim to be sending")
+        provider.hold()  # its next requests are accepted, but no answer comes back
+        await until(lambda: provider.in_flight == 8, 5, "8 requests in flight")
+        in_flight = provider.accepted_keys() - {r.key for r in provider.requests}
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(5)
+        killed_at = time.monotonic()
+        provider.release()
+        claimed = await db.fetchval(
+            "SELECT count(*) FROM email_outbox WHERE status = 'pending' AND claim_token IS NOT NULL"
+        )
+        assert claimed >= len(in_flight)  # the victim's batch is stranded until its lease ends
+
+        workers += [start_worker(env, log) for _ in range(2)]
+        await until(
+            lambda: db.fetchval(
+                "SELECT count(*) = $1 FROM email_outbox WHERE status = 'sent'", total
+            ),
+            30,
+            "every email to be sent",
+        )
+        assert time.monotonic() - killed_at >= lease * 0.9
+    finally:
+        codes = stop_workers(workers, log)
+    assert codes == [-signal.SIGKILL, 0, 0]
+
+    delivered = provider.delivered()
+    assert delivered == Counter(dict.fromkeys(keys, 1))  # each email delivered exactly once
+    by_key: dict[str, list[Any]] = {}
+    for r in provider.requests:
+        assert r.key is not None
+        by_key.setdefault(r.key, []).append(r)
+    repeated = {k: rs for k, rs in by_key.items() if len(rs) > 1}
+    # The requests the victim never heard back from were sent again, and only those.
+    assert set(repeated) == in_flight
+    for k, rs in repeated.items():
+        assert len({r.body for r in rs}) == 1, f"{k}: a repeat with different bytes"
+        assert len({r.message_id for r in rs if r.status == 200}) == 1
+        assert sum(r.delivered for r in rs) == 1
+    example = next(iter(repeated.values()))
+    print(
+        f"\n{len(repeated)} keys were requested twice after the kill, each with identical "
+        f"bytes, delivered once; e.g. {example[0].key}: "
+        + ", ".join(f"{r.status} delivered={r.delivered}" for r in example)
+        + f"\n  body {example[0].body!r}"
+    )
