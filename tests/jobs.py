@@ -122,3 +122,10 @@ async def held(ctx: JobContext) -> int:
     await record(ctx)
     await asyncio.sleep(ctx.params.seconds)
     return 1
+
+
+@job("hourly-grace", schedule="0 * * * *", grace=600)
+async def hourly_grace(ctx: JobContext) -> int:
+    """Hourly, overdue ten minutes after a tick without a succeeded run (ops tests)."""
+    await record(ctx)
+    return 1
