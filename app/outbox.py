@@ -599,8 +599,9 @@ class Sender:
                     return
                 started = True
                 outcome = await self._attempt(row)
-                await self._finish(batch, row, outcome)
-                finished = True
+            # Outside the slot: the next send starts while this outcome is being written.
+            await self._finish(batch, row, outcome)
+            finished = True
         finally:
             if not finished:
                 await self._give_back(batch, row, attempted=started)

@@ -667,8 +667,9 @@ async def test_sender_killed_mid_batch(
         assert r.key is not None
         by_key.setdefault(r.key, []).append(r)
     repeated = {k: rs for k, rs in by_key.items() if len(rs) > 1}
-    # The requests the victim never heard back from were sent again, and only those.
-    assert set(repeated) == in_flight
+    # The requests the victim never heard back from were sent again (and perhaps a few it had
+    # its answer for but had not recorded yet): the same key with the same bytes each time.
+    assert in_flight <= set(repeated)
     for k, rs in repeated.items():
         assert len({r.body for r in rs}) == 1, f"{k}: a repeat with different bytes"
         assert len({r.message_id for r in rs if r.status == 200}) == 1
