@@ -866,7 +866,12 @@ class Sender:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(conn.close(), self.settings.db_connect_timeout)
             if not stop.is_set():
-                await _wait_any(stop, within=self.settings.outbox_poll_interval)
+                # The database's retry cadence: a lost listener comes back soon, and polling
+                # covers the gap.
+                retry = min(
+                    self.settings.outbox_poll_interval, self.settings.migrate_retry_interval
+                )
+                await _wait_any(stop, within=retry)
 
     def _report_db_trouble(self, exc: BaseException) -> None:
         if not self._db_trouble:

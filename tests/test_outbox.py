@@ -436,6 +436,31 @@ async def test_notify_wakes_an_idle_sender(
     assert took < 1.5
 
 
+async def test_listener_comes_back_after_its_connection_is_killed(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    settings = outbox_settings(outbox_poll_interval=30.0, migrate_retry_interval=0.2)
+    listening = (
+        "SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()"
+    )
+    async with sender(settings) as s, running(s):
+        await until(lambda: db.fetchval(listening), 5, "the listener")
+        old = await db.fetchval(listening)
+        assert await db.fetchval("SELECT pg_terminate_backend($1)", old)
+        await until(lambda: _other_listener(db, listening, old), 5, "a new listener connection")
+        await asyncio.sleep(0.3)  # its catch-up poll found nothing
+        async with db.transaction():
+            await queue(db, 2)
+            await db.execute(outbox.NOTIFY_SQL)
+        took = await until(lambda: len(provider.requests) == 2, 5, "delivery after NOTIFY")
+    assert took < 1.5
+
+
+async def _other_listener(db: asyncpg.Connection, sql: str, old: int) -> bool:
+    pid = await db.fetchval(sql)
+    return pid is not None and pid != old
+
+
 async def test_graceful_stop_finishes_in_flight_and_gives_back_the_rest(
     db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
 ) -> None:
