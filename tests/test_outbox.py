@@ -423,6 +423,30 @@ async def test_rate_limit_is_shared_by_senders(
     assert a.stats.sent + b.stats.sent == total
 
 
+async def test_token_bucket_never_grants_more_than_the_rate(database_url: str) -> None:
+    """Many connections taking tokens at once: the single-row UPDATE hands out no token twice."""
+    rate = 50.0
+    conns = [await asyncpg.connect(database_url) for _ in range(8)]
+    try:
+        await conns[0].execute(
+            "UPDATE email_outbox_rate SET tokens = 0, updated_at = clock_timestamp()"
+        )
+        started = time.monotonic()
+
+        async def take(conn: asyncpg.Connection) -> int:
+            got = 0
+            for _ in range(30):
+                got += (await outbox.take_tokens(conn, 3, rate=rate)).granted
+            return got
+
+        granted = sum(await asyncio.gather(*(take(c) for c in conns)))
+        elapsed = time.monotonic() - started
+    finally:
+        for conn in conns:
+            await conn.close()
+    assert 0 < granted <= rate * elapsed + 1
+
+
 async def test_notify_wakes_an_idle_sender(
     db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
 ) -> None:
@@ -563,10 +587,10 @@ def worker_env(database_url: str, provider: Provider, **settings: Any) -> dict[s
     return env
 
 
-def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def start_worker(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "tests.outbox_worker"],
+            [sys.executable, "-m", "tests.outbox_worker", *args],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -636,6 +660,19 @@ async def test_ten_thousand_emails_three_processes(
     assert mismatched == 0
     senders = await db.fetchval("SELECT count(DISTINCT attempts) FROM email_outbox")
     assert senders == 1  # every row went out on its first claim
+
+
+async def test_drain_process_with_once_exits_when_nothing_is_due(
+    db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
+) -> None:
+    keys = await queue(db, 25)
+    log = tmp_path / "worker.log"
+    env = worker_env(database_url, provider, outbox_batch_size=10)
+    done = start_worker(env, log, "--once")
+    await until(lambda: done.poll() is not None, 60, "the --once worker to exit")
+    assert done.returncode == 0, log.read_text()
+    assert provider.delivered() == Counter(dict.fromkeys(keys, 1))
+    assert await counts(db) == {"sent": 25}
 
 
 async def test_sender_killed_mid_batch(
