@@ -129,3 +129,10 @@ async def hourly_grace(ctx: JobContext) -> int:
     """Hourly, overdue ten minutes after a tick without a succeeded run (ops tests)."""
     await record(ctx)
     return 1
+
+
+@job("berlin-0230", schedule="30 2 * * *", tz="Europe/Berlin", early_tolerance=30)
+async def berlin(ctx: JobContext) -> int:
+    """A fixed-hour job in a zone with daylight saving (slot tests)."""
+    await record(ctx)
+    return 1
