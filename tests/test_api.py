@@ -52,7 +52,7 @@ async def test_bad_credentials_get_401_before_anything(instance: Any, client: An
 
 
 async def test_non_ascii_token_is_401_not_500(instance: Any, client: Any) -> None:
-    raw = "Bearer ".encode() + "é".encode() * 30
+    raw = b"Bearer " + "é".encode() * 30
     r = await client.post(instance.url + "/cron/fast", headers={"Authorization": raw})
     assert r.status_code == 401
 

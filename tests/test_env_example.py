@@ -23,7 +23,7 @@ def test_every_setting_is_documented() -> None:
 
 
 def test_the_example_itself_refuses_to_start() -> None:
-    settings = Settings(_env_file=EXAMPLE)  # type: ignore[call-arg]
+    settings = Settings(_env_file=EXAMPLE)
     assert settings.cron_secret is not None
     assert settings.cron_secret.get_secret_value() == PLACEHOLDER_SECRET
     with pytest.raises(SettingsError, match="placeholder"):

@@ -45,15 +45,15 @@ async def lock_held(db: asyncpg.Connection, job: str, namespace: int = 0) -> boo
 
 
 async def wait_for(
-    check: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.05
+    check: Callable[[], Awaitable[bool]], within: float, what: str, interval: float = 0.05
 ) -> float:
-    """Poll until `check` is true; returns the seconds it took, fails after `timeout`."""
+    """Poll until `check` is true; returns the seconds it took, fails after `within` s."""
     start = time.monotonic()
     while True:
         if await check():
             return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        if time.monotonic() - start > within:
+            raise AssertionError(f"timed out after {within} s waiting for {what}")
         await asyncio.sleep(interval)
 
 
