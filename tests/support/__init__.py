@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # Long enough for Settings.check_secrets and obviously not a real secret.
-TEST_SECRET = "cronlock-test-secret-0123456789-abcdefghijklmnop"  # noqa: S105
+TEST_SECRET = "cronlock-test-secret-0123456789-abcdefghijklmnop"
 
 __all__ = ["TEST_SECRET", "auth_headers"]
 
