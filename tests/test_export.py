@@ -1,0 +1,338 @@
+"""`schedule export`: every format is parsed back, and the UTC entries written for time-zoned
+jobs are checked against the job's own ticks over a whole year."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from app.export import export, job_lines, k8s_name, utc_lines
+from app.jobs import Job, JobContext, Registry
+from app.schedule import Schedule
+from tests.support import TEST_SECRET
+
+START = datetime(2026, 1, 1, tzinfo=UTC)
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def _noop(ctx: JobContext) -> None:
+    return None
+
+
+def make_job(name: str, expr: str | None, tz: str = "UTC", **kw: Any) -> Job:
+    return Job(name, _noop, schedule=Schedule(expr, tz) if expr else None, **kw)
+
+
+ZONED = {
+    "digest-berlin": ("0 7 * * *", "Europe/Berlin"),
+    "gap-berlin": ("30 2 * * *", "Europe/Berlin"),  # skipped hour in spring
+    "monthly-berlin": ("0 0 1 * *", "Europe/Berlin"),  # local midnight: the UTC day before
+    "friday13-lord-howe": ("0 0 13 * fri", "Australia/Lord_Howe"),  # half-hour DST, OR rule
+    "weekdays-new-york": ("15 9 * * mon-fri", "America/New_York"),
+    "march-evenings-new-york": ("0 22 * 3 *", "America/New_York"),  # next UTC day, month edge
+    "odd-fridays-santiago": ("0 0 */2 * fri", "America/Santiago"),  # AND rule, DST at midnight
+    "mondays-berlin": ("*/20 * * * 1", "Europe/Berlin"),  # wildcard hour follows the clock
+    "kolkata": ("45 5 * * *", "Asia/Kolkata"),  # one offset, half an hour
+}
+
+
+@pytest.fixture
+def registry() -> Registry:
+    jobs = [make_job(name, expr, tz) for name, (expr, tz) in ZONED.items()]
+    jobs.append(make_job("utc-nightly", "0 3 * * *", timeout=120))
+    jobs.append(make_job("on-demand", None))
+    jobs.append(make_job("Odd_Name.v2", "@hourly", max_lateness=30))
+    return Registry({j.name: j for j in jobs})
+
+
+def first_fire_at_or_after(lines: list[str], at: datetime) -> datetime:
+    return min(Schedule(line, "UTC").next_tick(at - timedelta(microseconds=1)) for line in lines)
+
+
+def assert_every_tick_is_triggered(job: Job, lines: list[str]) -> int:
+    """Each tick of the coming year gets a trigger inside its own slot (at or after the tick,
+    before the next one), so the slot check runs it; returns how many ticks were checked."""
+    assert job.schedule is not None
+    tick = job.schedule.next_tick(START)
+    end = START + timedelta(days=365)
+    checked = 0
+    while tick < end:
+        upcoming = job.schedule.next_tick(tick)
+        fire = first_fire_at_or_after(lines, tick)
+        assert tick <= fire < upcoming, (job.name, tick, fire, lines)
+        tick = upcoming
+        checked += 1
+    return checked
+
+
+# --- UTC entries ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(ZONED))
+def test_utc_entries_trigger_every_tick_of_a_year(registry: Registry, name: str) -> None:
+    job = registry[name]
+    lines = job_lines(job, START)
+    assert assert_every_tick_is_triggered(job, lines) > 0
+    split = job_lines(job, START, split_days=True)
+    assert_every_tick_is_triggered(job, split)
+    for line in split:
+        fields = line.split()
+        assert fields[2] == "*" or fields[4] == "*", line
+
+
+def test_entries_for_both_offsets() -> None:
+    assert [str(x) for x in utc_lines(Schedule("0 7 * * *", "Europe/Berlin"), START)] == [
+        "0 5,6 * * *"
+    ]
+    assert [str(x) for x in utc_lines(Schedule("45 5 * * *", "Asia/Kolkata"), START)] == [
+        "15 0 * * *"
+    ]
+    # Local midnight on the 1st is the last evening of the month before, in UTC.
+    assert [str(x) for x in utc_lines(Schedule("0 0 1 * *", "Europe/Berlin"), START)] == [
+        "0 22,23 28-31 * *"
+    ]
+    utc_job = make_job("u", "0 3 * jan sun")
+    assert job_lines(utc_job, START) == ["0 3 * 1 0"]
+
+
+# --- crontab ----------------------------------------------------------------------------------
+
+
+def crontab_entries(text: str) -> list[tuple[str, str]]:
+    entries = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#") or re.match(r"^[A-Z_]+=", line):
+            continue
+        parts = line.split(None, 5)
+        assert len(parts) == 6, line  # five fields and a command
+        entries.append((" ".join(parts[:5]), parts[5]))
+    return entries
+
+
+def test_crontab_parses_back_and_triggers_every_tick(registry: Registry) -> None:
+    text, notes = export(registry, "crontab", start=START, url="http://app:8000")
+    assert notes == ["on-demand: no schedule, not exported"]
+    assert "Debian's cron has no per-entry time zone" in text
+    assert TEST_SECRET not in text
+    by_job: dict[str, list[str]] = {}
+    for fields, command in crontab_entries(text):
+        Schedule(fields, "UTC")  # five valid cron fields
+        m = re.fullmatch(
+            r"curl -fsS -X POST -H @/etc/cronlock/auth_header --max-time (\d+) "
+            r"http://app:8000/cron/([\w.-]+) >/dev/null",
+            command,
+        )
+        assert m, command
+        assert "%" not in command  # cron turns % into a newline
+        job = registry[m.group(2)]
+        assert int(m.group(1)) == int(job.timeout) + 30
+        by_job.setdefault(job.name, []).append(fields)
+    assert set(by_job) == {n for n, j in registry.items() if j.schedule is not None}
+    assert by_job["utc-nightly"] == ["0 3 * * *"]
+    assert by_job["Odd_Name.v2"] == ["0 * * * *"]
+    for name in ZONED:
+        assert_every_tick_is_triggered(registry[name], by_job[name])
+    # Jobs whose extra entry could run a missed slot late are flagged.
+    assert "note: digest-berlin has no max_lateness below 3600 s" in text
+
+
+# --- kubernetes -------------------------------------------------------------------------------
+
+
+def test_kubernetes_cronjobs_parse_back(registry: Registry) -> None:
+    text, _ = export(registry, "kubernetes", start=START, secret_name="cron-secret-x")
+    docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    scheduled = {n: j for n, j in registry.items() if j.schedule is not None}
+    assert len(docs) == len(scheduled)
+    names = set()
+    for doc in docs:
+        assert doc["apiVersion"] == "batch/v1"
+        assert doc["kind"] == "CronJob"
+        name = doc["metadata"]["name"]
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name), name
+        assert len(name) <= 52
+        names.add(name)
+        job = scheduled[doc["metadata"]["labels"]["cronlock/job"]]
+        assert job.schedule is not None
+        spec = doc["spec"]
+        assert spec["schedule"] == job.schedule.expr
+        assert spec["timeZone"] == job.schedule.tz
+        assert spec["concurrencyPolicy"] == "Forbid"
+        pod = spec["jobTemplate"]["spec"]["template"]["spec"]
+        assert pod["restartPolicy"] == "Never"
+        [container] = pod["containers"]
+        shell, flag, script = container["command"]
+        assert (shell, flag) == ("/bin/sh", "-c")
+        [mount] = container["volumeMounts"]
+        [volume] = pod["volumes"]
+        assert mount["name"] == volume["name"]
+        assert mount["readOnly"] is True
+        assert volume["secret"]["secretName"] == "cron-secret-x"
+        assert volume["secret"]["items"] == [{"key": "cron_secret", "path": "cron_secret"}]
+        assert volume["secret"]["defaultMode"] == 0o440
+        assert f"$(cat {mount['mountPath']}/cron_secret)" in script
+        assert "-H @/tmp/auth" in script
+        assert script.endswith(f"http://cronlock/cron/{job.name}")
+        assert pod["securityContext"]["runAsNonRoot"] is True
+    assert len(names) == len(docs)
+    assert k8s_name("Odd_Name.v2") == "cronlock-odd-name-v2"
+    assert len(k8s_name("x" * 100)) <= 52
+
+
+# --- vercel -----------------------------------------------------------------------------------
+
+
+def test_vercel_json_parses_back(registry: Registry) -> None:
+    text, notes = export(registry, "vercel", start=START)
+    body = json.loads(text)
+    assert any("CRON_ALLOW_GET=true" in note for note in notes)
+    by_job: dict[str, list[str]] = {}
+    for cron in body["crons"]:
+        assert set(cron) == {"path", "schedule"}
+        fields = cron["schedule"].split()
+        assert len(fields) == 5
+        assert all(re.fullmatch(r"[0-9*,/-]+", f) for f in fields), cron  # numbers only
+        assert fields[2] == "*" or fields[4] == "*", cron  # Vercel: one day field only
+        assert cron["path"].startswith("/cron/")
+        by_job.setdefault(cron["path"].removeprefix("/cron/"), []).append(cron["schedule"])
+    assert by_job["utc-nightly"] == ["0 3 * * *"]
+    assert by_job["weekdays-new-york"] == ["15 13,14 * * 1-5"]
+    for name in ZONED:
+        assert_every_tick_is_triggered(registry[name], by_job[name])
+
+
+# --- compose ----------------------------------------------------------------------------------
+
+
+def compose_scheduler(registry: Registry) -> dict[str, Any]:
+    text, _ = export(registry, "compose", start=START)
+    doc = yaml.safe_load(text)
+    service: dict[str, Any] = doc["services"]["scheduler"]
+    return service
+
+
+def test_compose_scheduler_service_parses_back(registry: Registry) -> None:
+    service = compose_scheduler(registry)
+    assert service["image"].startswith("curlimages/curl")
+    assert service["secrets"] == ["cron_secret"]
+    assert service["entrypoint"] == ["/bin/sh", "-c"]
+    assert service["depends_on"] == ["lb"]
+    [script] = service["command"]
+    assert "$(" not in script.replace("$$(", "")  # every `$` escaped for compose
+    subprocess.run(["sh", "-n", "-c", script.replace("$$", "$")], check=True)
+
+
+def run_scheduler_once(
+    script: str, at: datetime, tmp_path: Path, *, background: bool = True
+) -> list[list[str]]:
+    """Run the scheduler loop for one minute at `at`, with `date`, `curl` and `sleep` stubbed;
+    returns the curl calls it made."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    calls = tmp_path / "calls"
+    calls.unlink(missing_ok=True)
+    fields = at.strftime("%Y%m%d%H%M %M %H %d %m ") + str(at.isoweekday() % 7)
+    (stubs / "date").write_text(
+        f'#!/bin/sh\ncase "$*" in *%S*) echo 05 ;; *) echo "{fields}" ;; esac\n'
+    )
+    (stubs / "curl").write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {calls}\n')
+    (stubs / "sleep").write_text("#!/bin/sh\nkill -TERM $PPID\n")
+    for stub in stubs.iterdir():
+        stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    secret = tmp_path / "cron_secret"
+    secret.write_text(TEST_SECRET + "\n")
+    body = script.replace("$$", "$").replace("/run/secrets/cron_secret", str(secret))
+    if not background:
+        body = body.replace(" & fi", "; fi")
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "TMPDIR": str(tmp_path)}
+    subprocess.run(["sh", "-c", body], env=env, check=False, timeout=10)
+    if background:
+        for _ in range(100):
+            if calls.exists():
+                break
+            subprocess.run(["sleep", "0.02"], check=True)
+    if not calls.exists():
+        return []
+    return [line.split() for line in calls.read_text().splitlines()]
+
+
+def test_compose_scheduler_fires_jobs_at_their_utc_entries(
+    registry: Registry, tmp_path: Path
+) -> None:
+    [script] = compose_scheduler(registry)["command"]
+    # Monday 2026-03-30 05:00 UTC is 07:00 in Berlin (summer time since the 29th).
+    calls = run_scheduler_once(script, datetime(2026, 3, 30, 5, 0, tzinfo=UTC), tmp_path)
+    assert sorted(c[-1].removeprefix("http://lb/cron/") for c in calls) == [
+        "Odd_Name.v2",  # @hourly
+        "digest-berlin",
+        "mondays-berlin",  # every 20 minutes on (Berlin) Mondays
+    ]
+    assert calls[0][:6] == ["-fsS", "-X", "POST", "-H", f"@{tmp_path}/cronlock-auth", "--max-time"]
+    auth = tmp_path / "cronlock-auth"
+    assert auth.read_text() == f"Authorization: Bearer {TEST_SECRET}\n"
+    assert stat.S_IMODE(auth.stat().st_mode) == 0o600
+
+    # The shell's field matching agrees with cron's, minute by minute, for every job.
+    entries = {
+        name: [Schedule(line, "UTC") for line in job_lines(job, START)]
+        for name, job in registry.items()
+        if job.schedule is not None
+    }
+    # Arbitrary minutes (mostly misses), plus each entry's own next fire from a few points
+    # of the year (hits, and the other jobs' matching is checked there too).
+    moments = {START + timedelta(minutes=4099 * n + n * n % 13) for n in range(40)}
+    for lines in entries.values():
+        for day in (17, 101, 230, 300):
+            for line in lines:
+                moments.add(line.next_tick(START + timedelta(days=day)))
+    for at in sorted(moments):
+        fired = {
+            c[-1].rsplit("/", 1)[1]
+            for c in run_scheduler_once(script, at, tmp_path, background=False)
+        }
+        expected = {name for name, lines in entries.items() if any(s.is_tick(at) for s in lines)}
+        assert fired == expected, at
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def test_schedule_export_command(tmp_path: Path) -> None:
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("CRON_", "DATABASE_"))},
+        "CRON_JOBS": "app.demo.digest,app.housekeeping",
+        "PYTHONPATH": str(REPO),
+    }
+    out = tmp_path / "crontab"
+    done = subprocess.run(
+        [sys.executable, "-m", "app", "schedule", "export", "--format", "crontab", "-o", str(out)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    jobs = sorted(
+        command.split("/cron/")[1].split()[0] for _, command in crontab_entries(out.read_text())
+    )
+    assert jobs == ["daily-digest", "ledger-prune"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "app", "schedule", "export", "--format", "cron"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2
