@@ -22,7 +22,7 @@ from tests.util import post, runs, wait_for
 
 Starter = Callable[..., Any]
 
-METRICS_TOKEN = "metrics-token-0123456789-abcdefghijkl"  # noqa: S105
+METRICS_TOKEN = "metrics-token-0123456789-abcdefghijkl"
 SCRAPE = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

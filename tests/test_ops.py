@@ -23,8 +23,8 @@ from tests.util import AUTH, lock_held, post, runs, wait_for
 
 Starter = Callable[..., Any]
 
-READ_TOKEN = "read-only-token-0123456789-abcdefghij"  # noqa: S105
-METRICS_TOKEN = "metrics-token-0123456789-abcdefghijkl"  # noqa: S105
+READ_TOKEN = "read-only-token-0123456789-abcdefghij"
+METRICS_TOKEN = "metrics-token-0123456789-abcdefghijkl"
 READ = {"Authorization": f"Bearer {READ_TOKEN}"}
 SCRAPE = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 TOKENS = {"CRON_READ_TOKEN": READ_TOKEN, "METRICS_TOKEN": METRICS_TOKEN}
