@@ -50,8 +50,8 @@ NOTIFY_SQL = f"SELECT pg_notify('{NOTIFY_CHANNEL}', '')"
 PRUNE_INTERVAL = 3600.0
 PRUNE_CHUNK = 5000
 
-# `python -m app outbox requeue` before settings are at hand: the settings' default window.
-DEFAULT_RETRY_WINDOW = 23 * 3600.0
+# For `requeue` callers without settings at hand; kept equal to the setting's default.
+DEFAULT_RETRY_WINDOW: float = Settings.model_fields["outbox_retry_window"].default
 
 # Errors that mean "the database cannot serve us now": wait and try again.
 DB_ERRORS: tuple[type[BaseException], ...] = (
@@ -60,7 +60,7 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
 )
 
-Conn = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+Conn = db.Conn
 
 
 # --- enqueue --------------------------------------------------------------------------------
