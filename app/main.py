@@ -37,6 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     try:
         settings = settings or Settings()
         settings.check_secrets()
+        settings.check_email()
         registry = load(settings.job_modules, settings.lock_namespace)
     except (SettingsError, JobDefinitionError) as exc:
         if from_env:

@@ -150,6 +150,11 @@ class Settings(BaseSettings):
             if len(token) < MIN_SECRET_LENGTH:
                 raise SettingsError(f"{name} is shorter than {MIN_SECRET_LENGTH} characters")
 
+    def check_email(self) -> None:
+        """An HTTP backend without a key would fail every send; say so at start-up instead."""
+        if self.outbox_enabled and self.email_backend == "http" and self.email_api_key is None:
+            raise SettingsError("EMAIL_BACKEND=http needs EMAIL_API_KEY")
+
     @property
     def listen_url(self) -> str | None:
         return self.database_direct_url or self.database_url

@@ -65,3 +65,10 @@ def test_empty_env_values_mean_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     s = settings(cron_secret=SecretStr(GOOD))
     assert s.instance_name
     assert s.cron_secret_file is None
+
+
+def test_http_email_backend_needs_a_key() -> None:
+    with pytest.raises(SettingsError, match="EMAIL_API_KEY"):
+        settings(cron_secret=GOOD, email_backend="http").check_email()
+    settings(cron_secret=GOOD, email_backend="http", outbox_enabled=False).check_email()
+    settings(cron_secret=GOOD, email_backend="http", email_api_key="k").check_email()
