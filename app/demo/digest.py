@@ -6,6 +6,7 @@ nobody due (and the outbox's unique (job, slot, user) index could not take a sec
 from __future__ import annotations
 
 from app.jobs import JobContext, job
+from app.outbox import NOTIFY_SQL
 
 # Due: digest enabled and no digest since this slot began. The subject and body are frozen in
 # the outbox row now, so every delivery attempt sends the same bytes.
@@ -29,9 +30,6 @@ WITH due AS (
 SELECT count(*) FROM queued
 """
 
-# Delivered at commit, so senders wake up only for emails that really exist.
-NOTIFY_SQL = "SELECT pg_notify('cronlock_outbox', '')"
-
 SENDER = "cronlock <digest@example.com>"
 
 
@@ -41,5 +39,6 @@ async def daily_digest(ctx: JobContext) -> int:
     assert ctx.slot is not None
     queued = await ctx.conn.fetchval(DIGEST_SQL, ctx.slot, ctx.job.name, SENDER)
     if queued:
+        # Delivered at commit, so senders wake up only for emails that really exist.
         await ctx.conn.execute(NOTIFY_SQL)
     return int(queued)
