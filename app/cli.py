@@ -662,14 +662,18 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
             if time.monotonic() > deadline:
                 break
         run = None
-        if first.run_id is not None:
-            # The runner records the outcome in its own transaction just after the rollback.
+        if first.run_id is not None and released:
+            # The runner records the outcome in its own transaction just after the rollback;
+            # a terminated holder may not until its job wakes up, so its row is swept (as
+            # `abandoned`, corrected by the runner later) once its lock is seen gone.
             settle = time.monotonic() + 5.0
             while True:
                 async with ops.reading(conn):
                     run = await ops.run(conn, registry, first.run_id)
                 if run is None or run.status != "running" or time.monotonic() > settle:
                     break
+                if released:
+                    await ops.sweep(conn, settings, args.job)
                 await asyncio.sleep(0.1)
     except DatabaseUnavailable as exc:
         return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)

@@ -1,0 +1,386 @@
+"""The operator's command line against a real database and real instances: the same views as
+the HTTP API (`--json`), tables for people, exit codes, trigger, cancel, outbox, catch-up.
+
+Most commands run in-process (`app.cli.main` in a worker thread, as `python -m app` calls it);
+the ones whose process boundary matters (exit status, the secret's way in) run as processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from app import cli
+from tests.support import TEST_SECRET
+from tests.util import AUTH, effects, lock_held, post, runs, wait_for
+
+Starter = Callable[..., Any]
+REPO = Path(__file__).resolve().parent.parent
+DOWN_URL = "postgresql://nobody@127.0.0.1:9/none"
+
+
+@pytest.fixture
+async def client() -> Any:
+    async with httpx.AsyncClient(timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+def cli_env(database_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
+    """The CLI's environment: this test's database, the test jobs, no .env file."""
+    monkeypatch.chdir(tmp_path)
+    for name in list(os.environ):
+        if name.startswith(("CRON_", "DATABASE_", "CRONLOCK_")):
+            monkeypatch.delenv(name)
+    env = {
+        "DATABASE_URL": database_url,
+        "CRON_JOBS": "tests.jobs",
+        "INSTANCE_NAME": "cli",
+        "OUTBOX_ENABLED": "false",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+class Result:
+    def __init__(self, code: int, out: str, err: str) -> None:
+        self.code, self.out, self.err = code, out, err
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+async def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> Result:
+    capsys.readouterr()
+    code = await asyncio.to_thread(cli.main, list(args))
+    captured = capsys.readouterr()
+    return Result(code, captured.out, captured.err)
+
+
+def run_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("CRON_", "DATABASE_"))}
+    full.update(env)
+    full["PYTHONPATH"] = str(REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+
+
+async def sleeping_in_sql(db: asyncpg.Connection) -> bool:
+    return bool(
+        await db.fetchval(
+            """SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+               WHERE state = 'active' AND query LIKE 'SELECT pg_sleep%')"""
+        )
+    )
+
+
+def without(value: Any, *keys: str) -> Any:
+    """`value` with volatile keys (times measured at the moment of asking) dropped."""
+    if isinstance(value, dict):
+        return {k: without(v, *keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [without(v, *keys) for v in value]
+    return value
+
+
+# --- jobs, runs, locks --------------------------------------------------------------------------
+
+
+async def test_json_output_is_what_the_http_api_answers(
+    start_instance: Starter,
+    client: httpx.AsyncClient,
+    db: asyncpg.Connection,
+    cli_env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    i = start_instance("svc")
+    await post(client, i.url + "/cron/fast")
+    await post(client, i.url + "/cron/fails")
+    pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 3}))
+    await wait_for(lambda: lock_held(db, "slow-sql"), 10, "slow-sql to take its lock")
+    for command, path in (("jobs", "/cron/jobs"), ("runs", "/cron/runs?limit=20")):
+        result = await run_cli(capsys, command, "--json")
+        assert result.code == 0, result.err
+        api = (await client.get(i.url + path, headers=AUTH)).json()
+        assert without(result.json(), "now", "held_for") == without(api, "now", "held_for")
+    result = await run_cli(capsys, "locks", "--json")
+    api = (await client.get(i.url + "/cron/locks", headers=AUTH)).json()
+    assert without(result.json(), "held_for") == without(api, "held_for")
+    assert {lk["job"] for lk in result.json()["locks"]} == {"slow-sql", None}
+    await pending
+
+
+async def test_tables_for_people(
+    start_instance: Starter,
+    client: httpx.AsyncClient,
+    db: asyncpg.Connection,
+    cli_env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    i = start_instance("svc")
+    for _ in range(3):
+        await post(client, i.url + "/cron/fast")
+    pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 3}))
+    await wait_for(lambda: lock_held(db, "slow-sql"), 10, "slow-sql to take its lock")
+
+    jobs = await run_cli(capsys, "jobs")
+    assert jobs.code == 0
+    header, *rows = jobs.out.splitlines()
+    assert header.split()[:3] == ["JOB", "SCHEDULE", "LAST"]
+    fast = next(r for r in rows if r.startswith("fast "))
+    assert "succeeded" in fast
+    assert " svc " in fast
+    slow = next(r for r in rows if r.startswith("slow-sql "))
+    assert "svc pid" in slow  # running, and where
+    yearly = next(r for r in rows if r.startswith("yearly "))
+    assert "0 0 1 1 * UTC" in yearly
+    assert yearly.rstrip().endswith("OVERDUE")
+
+    page = await run_cli(capsys, "runs", "--limit", "2")
+    lines = page.out.splitlines()
+    assert lines[0].split()[:4] == ["ID", "JOB", "SLOT", "STATUS"]
+    assert "slow-sql" in lines[1]
+    assert "running" in lines[1]
+    assert lines[-1].startswith("(more: --before ")
+    before = lines[-1].split()[-1].rstrip(")")
+    older = await run_cli(capsys, "runs", "--limit", "2", "--before", before)
+    assert all(" fast " in line for line in older.out.splitlines()[1:3])
+
+    locks = await run_cli(capsys, "locks")
+    assert locks.out.splitlines()[0].split()[:4] == ["JOB", "KEY", "PID", "HOLDER"]
+    assert any(line.startswith("slow-sql ") and " svc " in line for line in locks.out.splitlines())
+    await pending
+    assert (await run_cli(capsys, "locks")).out.strip() == "no advisory locks held"
+
+
+async def test_run_exit_codes_and_source(
+    db: asyncpg.Connection, cli_env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    ok = await run_cli(capsys, "run", "fast", "--json")
+    assert ok.code == 0
+    assert ok.json()["processed"] == 1
+    assert (await run_cli(capsys, "run", "fails")).code == 1
+    first = await run_cli(capsys, "run", "yearly")
+    again = await run_cli(capsys, "run", "yearly")
+    assert (first.code, again.code) == (0, 0)
+    assert "reason=already done" in again.out
+    assert (await run_cli(capsys, "run", "no-such-job")).code == 2
+    assert (await run_cli(capsys, "run", "yearly", "--slot", "2026-01-01T00:00:30+00:00")).code == 2
+    assert {r["source"] for r in await runs(db, "fast")} == {"cli"}
+    assert [r["instance"] for r in await runs(db, "fails")] == ["cli"]
+
+
+async def test_commands_exit_3_when_the_database_is_down(
+    cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", DOWN_URL)
+    monkeypatch.setenv("DB_CONNECT_TIMEOUT", "1")
+    for args in (["jobs"], ["runs"], ["locks"], ["cancel", "slow"], ["run", "fast"]):
+        result = await run_cli(capsys, *args)
+        assert result.code == 3, (args, result.err)
+        assert "database unavailable" in result.err
+
+
+def test_exit_status_of_the_process(cli_env: dict[str, str]) -> None:
+    assert run_process(cli_env, "run", "fast").returncode == 0
+    failed = run_process(cli_env, "run", "fails")
+    assert failed.returncode == 1
+    assert "error=job failed" in failed.stdout
+    assert run_process(cli_env, "run", "nope").returncode == 2
+    assert run_process({**cli_env, "DATABASE_URL": DOWN_URL}, "jobs").returncode == 3
+
+
+# --- trigger ----------------------------------------------------------------------------------
+
+
+async def test_trigger_reads_the_secret_from_a_file_never_argv(
+    start_instance: Starter, db: asyncpg.Connection, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    i = start_instance("svc")
+    secret = tmp_path / "cron_secret"
+    secret.write_text(TEST_SECRET + "\n")
+    env = {**cli_env, "CRON_SECRET_FILE": str(secret)}
+    args = ["trigger", "fast", "--url", i.url, "--json"]
+    assert TEST_SECRET not in " ".join(args)
+    done = run_process(env, *args)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["processed"] == 1
+    failed = run_process(env, "trigger", "fails", "--url", i.url)
+    assert failed.returncode == 1
+    assert failed.stdout.startswith("HTTP 500 error=job failed")
+    assert TEST_SECRET not in done.stdout + done.stderr + failed.stdout + failed.stderr
+    assert [r["source"] for r in await runs(db, "fast")] == ["http"]
+
+
+async def test_trigger_exit_codes(
+    start_instance: Starter,
+    db: asyncpg.Connection,
+    cli_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    i = start_instance("svc")
+    assert (await run_cli(capsys, "trigger", "fast", "--url", i.url)).code == 2  # no secret
+    monkeypatch.setenv("CRON_SECRET", TEST_SECRET)
+    followed = await run_cli(
+        capsys, "trigger", "slow", "--url", i.url, "--no-wait", "--follow", "--json",
+        "--params", '{"seconds": 1}',
+    )  # fmt: skip
+    assert followed.code == 0, followed.out
+    body = followed.json()
+    assert body["accepted"]["run_id"] == body["run"]["id"]
+    assert body["run"]["status"] == "succeeded"
+    assert body["run"]["result"] == {"slept": 1.0}
+    ran = await run_cli(capsys, "trigger", "yearly", "--url", i.url)
+    skipped = await run_cli(capsys, "trigger", "yearly", "--url", i.url)
+    assert (ran.code, skipped.code) == (0, 0)
+    assert "skipped=True reason=already done" in skipped.out
+    timed_out = await run_cli(capsys, "trigger", "times-out", "--url", i.url)
+    assert timed_out.code == 1
+    assert "HTTP 504" in timed_out.out
+    assert (await run_cli(capsys, "trigger", "no-such-job", "--url", i.url)).code == 2
+    bad_slot = await run_cli(capsys, "trigger", "yearly", "--url", i.url, "--slot", "yesterday")
+    assert bad_slot.code == 2
+    monkeypatch.setenv("CRON_SECRET", "w" * 40)
+    assert (await run_cli(capsys, "trigger", "fast", "--url", i.url)).code == 2  # 401
+    unreachable = await run_cli(capsys, "trigger", "fast", "--url", "http://127.0.0.1:9")
+    assert unreachable.code == 3
+    assert "service unreachable" in unreachable.err
+
+
+# --- cancel -----------------------------------------------------------------------------------
+
+
+async def test_cancel_rolls_the_run_back_and_records_it(
+    start_instance: Starter,
+    client: httpx.AsyncClient,
+    db: asyncpg.Connection,
+    cli_env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    i = start_instance("svc")
+    pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 20}))
+    await wait_for(lambda: sleeping_in_sql(db), 10, "slow-sql to be in its pg_sleep")
+    result = await run_cli(capsys, "cancel", "slow-sql", "--json")
+    assert result.code == 0, result.err
+    body = result.json()
+    answer = await pending
+    assert answer.status_code == 500
+    assert answer.json()["run_id"] == body["run_id"]
+    assert body["released"] is True
+    assert body["instance"] == "svc"
+    assert body["signal"] == "cancel"
+    assert body["run"]["status"] == "cancelled"
+    assert "canceling statement due to user request" in body["run"]["error"]
+    assert await effects(db, "slow-sql") == 0  # its writes rolled back
+    assert [r["status"] for r in await runs(db, "slow-sql")] == ["cancelled"]
+    again = await run_cli(capsys, "cancel", "slow-sql")
+    assert again.code == 1
+    assert "not running" in again.err
+    assert (await post(client, i.url + "/cron/slow-sql", json={"seconds": 0})).status_code == 200
+
+
+async def test_a_holder_between_statements_needs_terminate(
+    start_instance: Starter,
+    client: httpx.AsyncClient,
+    db: asyncpg.Connection,
+    cli_env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    i = start_instance("svc")
+    # `slow` sleeps in Python: its backend sits idle in transaction, where a cancel is ignored.
+    pending = asyncio.create_task(post(client, i.url + "/cron/slow", json={"seconds": 4}))
+    await wait_for(lambda: lock_held(db, "slow"), 10, "slow to take its lock")
+    await asyncio.sleep(0.3)
+    refused = await run_cli(capsys, "cancel", "slow", "--wait", "1")
+    assert refused.code == 1
+    assert "--terminate" in refused.err
+    assert await lock_held(db, "slow")
+    ended = await run_cli(capsys, "cancel", "slow", "--terminate", "--json")
+    assert ended.code == 0, ended.err
+    assert ended.json()["released"] is True
+    assert not await lock_held(db, "slow")
+    answer = await pending
+    assert answer.status_code == 500
+    assert await effects(db, "slow") == 0
+    [row] = await runs(db, "slow")
+    assert row["status"] == "failed"
+
+
+# --- outbox -----------------------------------------------------------------------------------
+
+
+async def test_outbox_dead_and_requeue(
+    db: asyncpg.Connection, cli_env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    ids = [
+        await db.fetchval(
+            """INSERT INTO email_outbox (job, slot, user_id, sender, recipient, subject, body,
+                                         status, attempts, last_error)
+               VALUES ('daily-digest', now(), $1, 's@x', $2, 'subject', 'body', $3, 12,
+                       'HTTP 422 invalid recipient') RETURNING id""",
+            n,
+            f"user{n}@example.com",
+            status,
+        )
+        for n, status in ((1, "dead"), (2, "dead"), (3, "pending"))
+    ]
+    dead = await run_cli(capsys, "outbox", "dead", "--json")
+    assert dead.code == 0
+    assert [r["id"] for r in dead.json()["dead"]] == ids[:2]
+    assert dead.json()["dead"][0]["last_error"] == "HTTP 422 invalid recipient"
+    table = await run_cli(capsys, "outbox", "dead")
+    assert table.out.splitlines()[0].split()[:3] == ["ID", "JOB", "SLOT"]
+    assert "user1@example.com" in table.out
+    one = await run_cli(capsys, "outbox", "requeue", str(ids[0]), str(ids[2]))
+    assert one.code == 0
+    assert f"requeued {ids[0]}" in one.out
+    assert f"not dead (left alone): {ids[2]}" in one.err
+    rest = await run_cli(capsys, "outbox", "requeue", "--all", "--json")
+    assert [r["id"] for r in rest.json()["requeued"]] == [ids[1]]
+    statuses = await db.fetch("SELECT status, attempts FROM email_outbox ORDER BY id")
+    assert [(r["status"], r["attempts"]) for r in statuses] == [("pending", 0)] * 2 + [
+        ("pending", 12)
+    ]
+    assert (await run_cli(capsys, "outbox", "requeue")).code == 2
+    assert (await run_cli(capsys, "outbox", "dead")).out.strip() == "no dead emails"
+
+
+# --- catch-up ---------------------------------------------------------------------------------
+
+
+async def test_catch_up_runs_a_missed_slot_once(
+    db: asyncpg.Connection,
+    cli_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("CRON_JOBS", "tests.jobs,tests.catchup_jobs")
+    first = await run_cli(capsys, "catch-up", "--json")
+    assert first.code == 0, first.err
+    [caught] = first.json()["caught_up"]
+    assert caught["job"] == "catch-up-daily"
+    assert caught["processed"] == "backfill"
+    again = await run_cli(capsys, "catch-up")
+    assert again.out.strip() == "nothing to catch up"
+    [row] = await runs(db, "catch-up-daily")
+    assert (row["trigger"], row["source"], row["status"]) == ("backfill", "catch-up", "succeeded")
+    # Overdue scheduled jobs that did not opt in are left alone.
+    assert await runs(db, "yearly") == []
