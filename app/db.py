@@ -225,9 +225,19 @@ class Database:
             self._pool = await create_pool(self.settings)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            await pool.close()
+        """Close the pool once every connection is back, terminating what is still out after
+        `db_connect_timeout`. The pool stays reachable meanwhile: a request cancelled at
+        shutdown is still returning its connection, and asyncpg's `close` waits for each one
+        (for ever, if `release` could no longer reach the pool)."""
+        if self._pool is None:
+            return
+        try:
+            # On timeout asyncpg's close() is cancelled and terminates the pool itself.
+            await asyncio.wait_for(self._pool.close(), self.settings.db_connect_timeout)
+        except TimeoutError:
+            log.warning("connections still in use at shutdown were terminated")
+        finally:
+            self._pool = None
 
     @property
     def pool(self) -> asyncpg.Pool:
