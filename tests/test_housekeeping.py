@@ -1,0 +1,153 @@
+"""Housekeeping: the built-in `ledger-prune` job, and catching up a missed slot once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from app import ops
+from app.db import Database
+from app.jobs import load
+from app.runner import Runner
+from app.settings import Settings
+from tests.util import effects, post, runs, wait_for
+
+Starter = Callable[..., Any]
+HOUSEKEEPING = {"CRON_JOBS": "tests.jobs,app.housekeeping", "LEDGER_RETENTION_DAYS": "30"}
+
+
+@pytest.fixture
+async def client() -> Any:
+    async with httpx.AsyncClient(timeout=30) as c:
+        yield c
+
+
+async def seed(db: asyncpg.Connection, job: str, status: str, age: timedelta) -> int:
+    run_id = await db.fetchval(
+        """INSERT INTO cron_runs (job, status, trigger, instance, backend_pid, started_at)
+           VALUES ($1, $2, 'scheduled', 'seeded', 999999, now() - $3::interval) RETURNING id""",
+        job,
+        status,
+        age,
+    )
+    assert isinstance(run_id, int)
+    return run_id
+
+
+def test_housekeeping_is_in_the_default_jobs() -> None:
+    settings = Settings(_env_file=None)
+    assert settings.job_modules == ["app.demo.digest", "app.housekeeping"]
+    registry = load(settings.job_modules)
+    prune = registry["ledger-prune"]
+    assert prune.schedule is not None
+    assert prune.schedule.expr == "17 3 * * *"
+    assert prune.catch_up is True
+    assert set(registry) == {"daily-digest", "ledger-prune"}
+
+
+async def test_ledger_prune_keeps_the_retention_and_closes_abandoned_rows(
+    start_instance: Starter, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    days = timedelta(days=1)
+    old_ok = await seed(db, "fast", "succeeded", 40 * days)
+    old_failed = await seed(db, "fails", "failed", 40 * days)
+    old_running = await seed(db, "slow", "running", 40 * days)  # its instance died long ago
+    young_ok = await seed(db, "fast", "succeeded", 10 * days)
+    young_running = await seed(db, "slow-sql", "running", timedelta(minutes=5))
+
+    # ledger-prune catches up its missed night as soon as the instance sees the database.
+    i = start_instance("keeper", HOUSEKEEPING)
+
+    async def pruned() -> bool:
+        return any(r["status"] == "succeeded" for r in await runs(db, "ledger-prune"))
+
+    await wait_for(pruned, 15, "ledger-prune to be caught up")
+    [prune] = await runs(db, "ledger-prune")
+    assert (prune["trigger"], prune["source"], prune["instance"]) == (
+        "backfill",
+        "catch-up",
+        "keeper",
+    )
+    assert prune["result"] == {"pruned": 3, "abandoned": 2, "retention_days": 30.0}
+    left = {r["id"]: r["status"] for r in await db.fetch("SELECT id, status FROM cron_runs")}
+    assert left == {young_ok: "succeeded", young_running: "abandoned", prune["id"]: "succeeded"}
+    assert not {old_ok, old_failed, old_running} & set(left)
+
+    # A scheduled trigger finds its slot done when it is the one caught up; forced, it runs
+    # again as a manual run with nothing left to do.
+    job = load(["app.housekeeping"])["ledger-prune"]
+    assert job.schedule is not None
+    now: datetime = await db.fetchval("SELECT now()")
+    answer = (await post(client, i.url + "/cron/ledger-prune")).json()
+    if job.schedule.prev_tick(now) == prune["slot"]:
+        assert answer["reason"] == "already done"
+    else:  # between 03:17 and the end of its grace: the caught-up slot was yesterday's
+        assert answer["processed"]["pruned"] == 0
+    forced = (await post(client, i.url + "/cron/ledger-prune?force=true")).json()
+    assert forced["processed"] == {"pruned": 0, "abandoned": 0, "retention_days": 30.0}
+
+
+async def test_a_missed_slot_is_caught_up_once_across_instances(
+    start_instance: Starter, db: asyncpg.Connection
+) -> None:
+    env = {"CRON_JOBS": "tests.jobs,tests.catchup_jobs"}
+    instances = [start_instance(f"c{n}", env) for n in range(3)]
+
+    async def caught_up() -> bool:
+        return bool(await runs(db, "catch-up-daily"))
+
+    await wait_for(caught_up, 15, "the missed slot to be caught up")
+    await asyncio.sleep(1.5)  # every instance has had its first look by now
+    [row] = await runs(db, "catch-up-daily")
+    assert row["status"] == "succeeded"
+    assert (row["trigger"], row["source"]) == ("backfill", "catch-up")
+    assert row["instance"] in {i.name for i in instances}
+    assert row["result"] == "backfill"
+    assert await effects(db, "catch-up-daily") == 1
+    # Jobs that did not opt in stay overdue and are never replayed.
+    assert await runs(db, "yearly") == []
+
+
+async def test_an_attempted_slot_is_not_caught_up(
+    make_settings: Callable[..., Settings], db: asyncpg.Connection
+) -> None:
+    """A slot whose run failed was not missed: it stays overdue for a person to look at."""
+    settings = make_settings(cron_jobs="tests.catchup_jobs")
+    registry = load(settings.job_modules)
+    job = registry["catch-up-daily"]
+    now: datetime = await db.fetchval("SELECT now()")
+    due = ops.due_slot(job, now)
+    await db.execute(
+        """INSERT INTO cron_runs (job, slot, status, trigger, instance)
+           VALUES ('catch-up-daily', $1, 'failed', 'scheduled', 'earlier')""",
+        due,
+    )
+    database = Database(settings)
+    await database.open()
+    try:
+        await database.check(apply_migrations=False)
+        runner = Runner(settings, registry, database)
+        assert await ops.catch_up(runner) == []
+    finally:
+        await database.close()
+    assert [r["status"] for r in await runs(db, "catch-up-daily")] == ["failed"]
+
+
+def test_missed_slot_rules() -> None:
+    job = load(["tests.catchup_jobs"])["catch-up-daily"]
+    assert job.schedule is not None
+    midnight = datetime.fromisoformat("2026-06-10T00:00:00+00:00")
+    window = 7 * 86400.0
+    # Within the grace (60 s) the day before is what is due; it succeeded.
+    yesterday = midnight - timedelta(days=1)
+    assert ops.missed_slot(job, midnight + timedelta(seconds=30), yesterday, window) is None
+    assert ops.missed_slot(job, midnight + timedelta(seconds=61), yesterday, window) == midnight
+    assert ops.missed_slot(job, midnight + timedelta(hours=5), midnight, window) is None
+    # Too old to backfill: left for a person.
+    assert ops.missed_slot(job, midnight + timedelta(hours=5), None, 3600.0) is None
