@@ -89,6 +89,11 @@ class Runner:
         # answerable even when long jobs hold every pooled connection.
         self.local: dict[str, int | None] = {}
         self.background: set[asyncio.Task[Outcome]] = set()
+        # Lock transactions at once, at most one fewer than the pool's connections: each also
+        # needs a second connection for a moment (its ledger row commits outside it), and if
+        # every connection held a lock transaction waiting for one, none would get it (every
+        # job refused, and their locks held meanwhile make other instances skip them too).
+        self.lock_slots = asyncio.Semaphore(max(1, settings.db_pool_max_size - 1))
         # Lock keys as computed here; checked against the server's once (see `_probe`).
         self.probe_keys: dict[str, LockKey] | None = {
             name: lock_key(name, settings.lock_namespace) for name in registry
@@ -189,7 +194,15 @@ class Runner:
         self, job: Job, trigger: Trigger, backfill: datetime | None, params: Any, source: str
     ) -> _Lease | Outcome:
         await self.db.ensure_ready()
-        conn = await self.db.acquire()
+        try:
+            await asyncio.wait_for(self.lock_slots.acquire(), self.settings.db_acquire_timeout)
+        except TimeoutError as exc:
+            raise DatabaseUnavailable("no database connection free (pool exhausted)") from exc
+        try:
+            conn = await self.db.acquire()
+        except BaseException:
+            self.lock_slots.release()
+            raise
         tx: asyncpg.transaction.Transaction | None = None
         handed_over = False
         try:
@@ -244,7 +257,10 @@ class Runner:
             raise DatabaseUnavailable(f"database error: {describe(exc)}") from exc
         finally:
             if not handed_over:
-                await self._close(conn, tx)
+                try:
+                    await self._close(conn, tx)
+                finally:
+                    self.lock_slots.release()
 
     async def _slot(
         self,
@@ -309,7 +325,10 @@ class Runner:
             return self._outcome(lease, status, source, reason=str(error)[:200])
         finally:
             self.local.pop(job.name, None)
-            await self.db.release(conn)
+            try:
+                await self.db.release(conn)
+            finally:
+                self.lock_slots.release()
 
     async def _commit(self, lease: _Lease, result: Any, source: str) -> Outcome:
         try:
