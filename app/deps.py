@@ -14,23 +14,27 @@ from app.settings import Settings
 
 RETRY_AFTER_SECONDS = "5"
 
+# Async on purpose: FastAPI runs a plain `def` dependency in a worker thread, two thread hops
+# per trigger for what is an attribute read (bench/trigger.py measured it as the largest cost
+# of a skip).
 
-def get_runner(request: Request) -> Runner:
+
+async def get_runner(request: Request) -> Runner:
     runner: Runner = request.state.runner
     return runner
 
 
-def get_db(request: Request) -> Database:
+async def get_db(request: Request) -> Database:
     db: Database = request.state.db
     return db
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.state.settings
     return settings
 
 
-def get_registry(request: Request) -> Registry:
+async def get_registry(request: Request) -> Registry:
     registry: Registry = request.state.registry
     return registry
 
