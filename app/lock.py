@@ -175,12 +175,7 @@ async def try_lock(
 # already succeeded? It answers the common skips in one statement and never takes the lock
 # itself: a probe that briefly held it could make the one real attempt fail, and then nobody
 # would run the job.
-PROBE_SQL = """
-SELECT now() AS db_now,
-       pg_is_in_recovery() AS standby,
-       (SELECT max(slot) FROM cron_runs
-        WHERE job = $3 AND status = 'succeeded' AND trigger IN ('scheduled', 'backfill')
-       ) AS done_slot,
+_RUNNING_SQL = """
        EXISTS (
            SELECT 1 FROM pg_locks
            WHERE locktype = 'advisory' AND granted AND objsubid = 1
@@ -188,9 +183,26 @@ SELECT now() AS db_now,
              AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
        ) AS running
 """
+PROBE_SQL = f"""
+SELECT now() AS db_now,
+       pg_is_in_recovery() AS standby,
+       (SELECT max(slot) FROM cron_runs
+        WHERE job = $3 AND status = 'succeeded' AND trigger IN ('scheduled', 'backfill')
+       ) AS done_slot,
+{_RUNNING_SQL}"""
+# A job without a schedule has no slot to be done: the ledger lookup (mostly planning time,
+# with no statement cache) is left out.
+PROBE_UNSCHEDULED_SQL = f"""
+SELECT now() AS db_now,
+       pg_is_in_recovery() AS standby,
+       NULL::timestamptz AS done_slot,
+{_RUNNING_SQL}"""
 
 
-async def probe(conn: Conn, name: str, key: LockKey) -> asyncpg.Record:
-    row = await conn.fetchrow(PROBE_SQL, key.classid, key.objid, name)
+async def probe(conn: Conn, name: str, key: LockKey, *, scheduled: bool = True) -> asyncpg.Record:
+    if scheduled:
+        row = await conn.fetchrow(PROBE_SQL, key.classid, key.objid, name)
+    else:
+        row = await conn.fetchrow(PROBE_UNSCHEDULED_SQL, key.classid, key.objid)
     assert row is not None
     return row

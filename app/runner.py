@@ -152,7 +152,9 @@ class Runner:
                 await self._check_keys(conn)
                 if self.probe_keys is None:
                     return None
-            row = await probe(conn, job.name, self.probe_keys[job.name])
+            row = await probe(
+                conn, job.name, self.probe_keys[job.name], scheduled=job.schedule is not None
+            )
         except CONNECTION_ERRORS as exc:
             raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
         except asyncpg.PostgresError as exc:
