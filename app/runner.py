@@ -39,6 +39,9 @@ STANDBY_REASON = (
     "so jobs are refused"
 )
 
+# Skips answered many times a slot by design; logged at DEBUG (see `Runner._log`).
+ROUTINE_SKIPS = ("already running", "already done")
+
 Kind = Literal["succeeded", "skipped", "accepted", "failed", "timed_out", "cancelled"]
 
 
@@ -402,7 +405,17 @@ class Runner:
         return outcome
 
     def _log(self, outcome: Outcome, source: str) -> None:
-        log.info(
+        # Routine skips (a scheduler retrying, a trigger storm) are counted in the metrics and
+        # logged at DEBUG only: a JSON line each was the largest cost of a skip, more than its
+        # database round trips (bench/trigger.py). Runs and "too late" stay at INFO.
+        routine = outcome.kind == "skipped" and outcome.reason in ROUTINE_SKIPS
+        level = logging.DEBUG if routine else logging.INFO
+        if self.metrics is not None:
+            self.metrics.observe(outcome)
+        if not log.isEnabledFor(level):
+            return
+        log.log(
+            level,
             "%s %s",
             outcome.job,
             outcome.kind,
@@ -419,8 +432,6 @@ class Runner:
                 "source": source,
             },
         )
-        if self.metrics is not None:
-            self.metrics.observe(outcome)
 
     async def _close(
         self, conn: asyncpg.pool.PoolConnectionProxy, tx: asyncpg.transaction.Transaction | None
