@@ -329,6 +329,11 @@ class PgBouncer(Service):
             # The default 15 s keeps clients failing long after a restarted PostgreSQL is back.
             "server_login_retry": "1",
             "server_connect_timeout": "5",
+            # A query waiting for a server connection (PostgreSQL down or restarting) fails
+            # after this, so the instance answers 503 instead of hanging. The default, 120 s,
+            # outlasts nginx's read timeout: with PgBouncer's other defaults a client that is
+            # already logged in waits for the whole of it.
+            "query_wait_timeout": "3",
             "logfile": self.log_path.name,
             "log_connections": "0",
             "log_disconnections": "0",
