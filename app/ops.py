@@ -89,7 +89,11 @@ class LockView(BaseModel):
     """One advisory lock in this database, mapped back to its job where it is one."""
 
     job: str | None
-    key: int
+    # The 64-bit key as a string (JSON numbers lose precision above 2**53 in JavaScript and
+    # jq), and as pg_locks shows it: classid = high 32 bits, objid = low 32 bits.
+    key: str
+    classid: int
+    objid: int
     pid: int
     holder: str | None  # application_name: "cronlock:<instance>" for cronlock's own sessions
     instance: str | None
@@ -153,7 +157,7 @@ class JobView(BaseModel):
     early_tolerance: float
     max_lateness: float | None
     catch_up: bool
-    lock_key: int
+    lock_key: str  # a 64-bit integer, as a string (see LockView.key)
     current_slot: Timestamp | None
     next_slot: Timestamp | None
     due_slot: Timestamp | None
@@ -213,7 +217,9 @@ async def locks(conn: Conn, registry: Registry) -> list[LockView]:
         found.append(
             LockView(
                 job=names.get(key),
-                key=key,
+                key=str(key),
+                classid=r["classid"],
+                objid=r["objid"],
                 pid=r["pid"],
                 holder=r["application_name"] or None,
                 instance=_instance(r["application_name"]),
@@ -271,7 +277,7 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
                 early_tolerance=job.early_tolerance,
                 max_lateness=job.max_lateness,
                 catch_up=job.catch_up,
-                lock_key=registry.key(job.name),
+                lock_key=str(registry.key(job.name)),
                 current_slot=current,
                 next_slot=nxt,
                 due_slot=due_slot(job, now),

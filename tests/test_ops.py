@@ -151,8 +151,10 @@ async def test_locks_maps_keys_to_jobs_in_this_database_only(
         await db.execute("SELECT pg_advisory_unlock_all()")
 
     by_key = {lk["key"]: lk for lk in found}
-    assert lock_key("fast", 0).key not in by_key
-    slow = by_key[lock_key("slow-sql", 0).key]
+    assert str(lock_key("fast", 0).key) not in by_key
+    slow_key = lock_key("slow-sql", 0)
+    slow = by_key[str(slow_key.key)]
+    assert (slow["classid"], slow["objid"]) == (slow_key.classid, slow_key.objid)
     [row] = await runs(db, "slow-sql")
     assert slow["job"] == "slow-sql"
     assert slow["holder"] == "cronlock:runner"
@@ -161,13 +163,13 @@ async def test_locks_maps_keys_to_jobs_in_this_database_only(
     assert slow["granted"] is True
     assert slow["held_for"] > 0
     assert slow["run_id"] == row["id"]
-    other = by_key[12345]
+    other = by_key["12345"]
     assert other["job"] is None
     assert other["pid"] == my_pid
     assert other["run_id"] is None
     # tests.jobs' helper lock, taken by the run's own backend.
-    assert by_key[424242]["pid"] == slow["pid"]
-    assert set(by_key) == {lock_key("slow-sql", 0).key, 12345, 424242}
+    assert by_key["424242"]["pid"] == slow["pid"]
+    assert set(by_key) == {str(slow_key.key), "12345", "424242"}
 
 
 async def test_a_running_row_without_its_lock_is_abandoned_never_running(
