@@ -457,6 +457,9 @@ http {{
     server {{
         listen 127.0.0.1:{self.port};
         client_max_body_size 1m;
+        # Room for an over-long Authorization header (the default is 8k a line): a bogus 10 KB
+        # token reaches the instance and gets its 401, like any wrong credentials.
+        large_client_header_buffers 4 16k;
 
         proxy_http_version 1.1;
         # Empty Connection header: upstream keepalive. Authorization passes through untouched.
