@@ -174,35 +174,14 @@ async def try_lock(
 # database, is the job's lock held right now (by anyone), and which is the newest slot that
 # already succeeded? It answers the common skips in one statement and never takes the lock
 # itself: a probe that briefly held it could make the one real attempt fail, and then nobody
-# would run the job.
-_RUNNING_SQL = """
-       EXISTS (
-           SELECT 1 FROM pg_locks
-           WHERE locktype = 'advisory' AND granted AND objsubid = 1
-             AND classid = $1 AND objid = $2
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-       ) AS running
-"""
-PROBE_SQL = f"""
-SELECT now() AS db_now,
-       pg_is_in_recovery() AS standby,
-       (SELECT max(slot) FROM cron_runs
-        WHERE job = $3 AND status = 'succeeded' AND trigger IN ('scheduled', 'backfill')
-       ) AS done_slot,
-{_RUNNING_SQL}"""
-# A job without a schedule has no slot to be done: the ledger lookup (mostly planning time,
-# with no statement cache) is left out.
-PROBE_UNSCHEDULED_SQL = f"""
-SELECT now() AS db_now,
-       pg_is_in_recovery() AS standby,
-       NULL::timestamptz AS done_slot,
-{_RUNNING_SQL}"""
+# would run the job. The statements live in the `cronlock_probe` function (migration 0004),
+# whose plans the server keeps per connection: planning them at every trigger cost more than
+# running them (bench/trigger.py). A job without a schedule has no slot to be done: the
+# ledger is not read.
+PROBE_SQL = "SELECT db_now, standby, done_slot, running FROM cronlock_probe($1, $2, $3, $4)"
 
 
 async def probe(conn: Conn, name: str, key: LockKey, *, scheduled: bool = True) -> asyncpg.Record:
-    if scheduled:
-        row = await conn.fetchrow(PROBE_SQL, key.classid, key.objid, name)
-    else:
-        row = await conn.fetchrow(PROBE_UNSCHEDULED_SQL, key.classid, key.objid)
+    row = await conn.fetchrow(PROBE_SQL, name, key.classid, key.objid, scheduled)
     assert row is not None
     return row
