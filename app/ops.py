@@ -423,7 +423,7 @@ async def catch_up(runner: Runner) -> list[Outcome]:
     if not chosen:
         return []
     settings, db = runner.settings, runner.db
-    db.require_ready()
+    await db.ensure_ready()
     outcomes: list[Outcome] = []
     longest = max(j.timeout for j in chosen) + settings.db_timeout_margin
     try:
