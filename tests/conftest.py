@@ -12,7 +12,7 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +177,17 @@ def start_instance(
         instance.signal(signal.SIGTERM)  # all at once, then wait for each
     for instance in started:
         instance.stop(INSTANCE_STOP_GRACE)
+
+
+@pytest.fixture
+def report_logs(request: pytest.FixtureRequest) -> Callable[[Iterable[Instance]], None]:
+    """`report_logs(instances)`: instances started outside `start_instance` (a module's own
+    cluster) whose log tails go into this test's report if it fails."""
+
+    def attach(instances: Iterable[Instance]) -> None:
+        request.node.stash.setdefault(INSTANCES_KEY, []).extend(instances)
+
+    return attach
 
 
 # --- PgBouncer and nginx ------------------------------------------------------------------

@@ -1,0 +1,299 @@
+"""Hostile input through nginx and PgBouncer: every route fuzzed from the OpenAPI document,
+broken credentials, oversized and malformed bodies, job names that try SQL or path tricks.
+Never a 5xx, never an answer that leaks internals, nothing executed that should not be.
+(The same cases straight at an instance are in tests/test_api.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+from schemathesis.core.result import Err
+
+from app.cluster import Cluster, Instance
+from tests.support import TEST_SECRET
+from tests.support.binaries import require_binary
+from tests.support.faults import LEAKS, reset, settle, start_cluster
+from tests.support.postgres import PostgresServer, create_database, drop_database, unique_name
+from tests.util import AUTH, effects, runs
+
+pytestmark = pytest.mark.cluster
+
+PREVIOUS = "p" * 40
+MAX_BODY = 1024
+# Jobs the fuzzer may trigger: quick and succeeding. The slow, failing and timing-out ones
+# (tests/jobs.py) answer 500/504 by design or would hold the run up for seconds.
+FAST_JOBS = {"fast", "minutely", "yearly", "late-minutely"}
+EXAMPLES = 20
+
+
+@pytest.fixture(scope="module")
+async def hostile_db(pg_server: PostgresServer, template_database: str) -> AsyncIterator[str]:
+    name = unique_name("hostile")
+    admin = pg_server.dsn("postgres")
+    await create_database(admin, name, template=template_database)
+    yield pg_server.dsn(name)
+    await drop_database(admin, name)
+
+
+@pytest.fixture(scope="module")
+def cluster(hostile_db: str) -> Iterator[Cluster]:
+    """Two instances behind nginx and PgBouncer, in the middle of a secret rotation."""
+    require_binary("pgbouncer")
+    require_binary("nginx")
+    root = Path(tempfile.mkdtemp(prefix="cronlock-hostile-"))
+    env = {
+        "CRON_JOBS": "tests.jobs",
+        "CRON_SECRET_PREVIOUS": PREVIOUS,
+        "MAX_BODY_BYTES": str(MAX_BODY),
+    }
+    started = start_cluster(root / "cluster", hostile_db, instances=2, pool_per_instance=4, env=env)
+    try:
+        yield started
+    finally:
+        started.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def url(cluster: Cluster, report_logs: Callable[[list[Instance]], None]) -> str:
+    assert cluster.nginx is not None
+    report_logs(cluster.instances)
+    return cluster.nginx.url
+
+
+@pytest.fixture
+async def db(hostile_db: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(hostile_db, statement_cache_size=0)
+    try:
+        await reset(conn)
+        yield conn
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=30) as c:
+        yield c
+
+
+def assert_no_leak(answer: httpx.Response | Any) -> None:
+    for leak in LEAKS:
+        assert leak not in answer.text, answer.text
+
+
+# --- fuzzing ------------------------------------------------------------------------------
+
+
+def test_every_route_fuzzed_from_the_openapi_document(url: str, cluster: Cluster) -> None:
+    """Schema-valid and schema-violating requests to every operation the OpenAPI document
+    lists (with the secret): no 5xx, nothing internal in any answer."""
+    document = httpx.get(url + "/openapi.json", headers=AUTH, timeout=10).json()
+    schema = schemathesis.openapi.from_dict(document)
+    fuzzed, skipped = [], []
+    for result in schema.get_all_operations():
+        assert not isinstance(result, Err), result.err()
+        operation = result.ok()
+        job = operation.path.removeprefix("/cron/") if operation.method == "post" else None
+        if job is not None and job not in FAST_JOBS:
+            skipped.append(job)
+            continue
+        fuzzed.append(operation.label)
+        _fuzz(operation.as_strategy(), url)
+        # Unsatisfiable: nothing to get wrong (no parameters, no body: /healthz).
+        with contextlib.suppress(Unsatisfiable):
+            _fuzz(operation.as_strategy(generation_mode=schemathesis.GenerationMode.NEGATIVE), url)
+    assert {"/cron/jobs", "/cron/runs", "/cron/runs/{run_id}", "/cron/locks"} <= {
+        label.split(" ", 1)[1] for label in fuzzed
+    }
+    assert {"fast", "slow", "fails", "times-out"} <= FAST_JOBS | set(skipped)
+    for instance in cluster.instances:
+        instance.check_alive()
+
+
+def _fuzz(strategy: st.SearchStrategy[schemathesis.Case[Any]], base_url: str) -> None:
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=strategy)
+    def run(case: schemathesis.Case[Any]) -> None:
+        answer = case.call(base_url=base_url, headers=AUTH, timeout=10)
+        assert answer.status_code < 500, (case.method, case.formatted_path, answer.text)
+        assert_no_leak(answer)
+
+    run()
+
+
+# --- credentials --------------------------------------------------------------------------
+
+BAD_AUTH: list[dict[str, str] | dict[bytes, bytes]] = [
+    {},
+    {"Authorization": ""},
+    {"Authorization": "Bearer"},
+    {"Authorization": f"Bearer  {TEST_SECRET}"},
+    {"Authorization": f"Bearer\t{TEST_SECRET}"},
+    {"Authorization": f"Bearer {TEST_SECRET} {TEST_SECRET}"},
+    {"Authorization": f"Basic {TEST_SECRET}"},
+    {"Authorization": f"Token {TEST_SECRET}"},
+    {"Authorization": TEST_SECRET},
+    {"Authorization": f"Bearer {TEST_SECRET}x"},
+    {"Authorization": f"Bearer {TEST_SECRET[:-1]}"},
+    {"Authorization": f"Bearer {TEST_SECRET.upper()}"},
+    {"Authorization": "Bearer " + "a" * 10_240},
+    {b"Authorization": b"Bearer " + "é".encode() * 40},
+    {b"Authorization": b"Bearer " + TEST_SECRET.encode()[:-1] + b"\xff"},
+]
+
+
+async def test_bad_credentials_are_401_through_nginx(
+    url: str, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    for headers in BAD_AUTH:
+        for method, path in (
+            ("POST", "/cron/fast"),
+            ("POST", "/cron/no-such-job"),
+            ("GET", "/cron/jobs"),
+            ("GET", "/openapi.json"),
+        ):
+            r = await client.request(method, url + path, headers=headers)
+            assert r.status_code == 401, (headers, path, r.status_code, r.text[:200])
+            assert r.json() == {"error": "Unauthorized"}
+            assert r.headers["www-authenticate"] == "Bearer"
+    assert await runs(db, "fast") == []
+
+
+async def test_token_in_the_query_string_is_never_read(
+    url: str, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    for name in ("token", "access_token", "secret", "authorization", "Authorization"):
+        for value in (TEST_SECRET, f"Bearer {TEST_SECRET}"):
+            r = await client.post(url + "/cron/fast", params={name: value})
+            assert r.status_code == 401, (name, value)
+    assert await runs(db, "fast") == []
+
+
+async def test_scheme_is_case_insensitive_and_the_previous_secret_works_during_rotation(
+    url: str, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    accepted = [f"bearer {TEST_SECRET}", f"BEARER {TEST_SECRET}", f"Bearer {PREVIOUS}"]
+    for header in accepted:
+        r = await client.post(url + "/cron/fast", headers={"Authorization": header})
+        assert r.status_code == 200, (header, r.text)
+    assert await effects(db, "fast") == len(accepted)
+
+
+async def test_the_old_secret_is_refused_once_rotation_ends(
+    start_instance: Callable[..., Instance],
+    start_nginx: Callable[..., Any],
+    client: httpx.AsyncClient,
+    database_url: str,
+) -> None:
+    """CRON_SECRET_PREVIOUS removed (the instance redeployed): the old secret is a 401."""
+    rotated = start_instance("rotated", {"CRON_SECRET": PREVIOUS + "-new-one"})
+    proxy = start_nginx([rotated.address])
+    for secret in (PREVIOUS, TEST_SECRET):
+        r = await client.post(
+            proxy.url + "/cron/fast", headers={"Authorization": f"Bearer {secret}"}
+        )
+        assert r.status_code == 401, secret
+    r = await client.post(
+        proxy.url + "/cron/fast", headers={"Authorization": f"Bearer {PREVIOUS}-new-one"}
+    )
+    assert r.status_code == 200, r.text
+
+
+# --- bodies and names ---------------------------------------------------------------------
+
+
+async def test_oversized_bodies_are_413(
+    url: str, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    # Over MAX_BODY_BYTES: the instance's 413, declared or streamed (chunked, no length).
+    r = await client.post(url + "/cron/fast", content=b"{" * (MAX_BODY + 1), headers=AUTH)
+    assert (r.status_code, r.json()["error"]) == (413, "request body too large")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(8):
+            yield b" " * 512
+
+    r = await client.post(url + "/cron/fast", content=chunks(), headers=AUTH)
+    assert r.status_code == 413, r.text
+    # Over nginx's client_max_body_size: nginx's own 413, before any instance sees it.
+    r = await client.post(url + "/cron/fast", content=b"x" * (2 * 1024 * 1024), headers=AUTH)
+    assert r.status_code == 413
+    # Credentials still come first for what nginx lets through.
+    r = await client.post(url + "/cron/fast", content=b"{" * (MAX_BODY + 1))
+    assert r.status_code == 401
+    assert await runs(db, "fast") == []
+
+
+async def test_invalid_json_is_422(
+    url: str, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    bodies = [b"{not json", b"[1, 2", b"\xff\xfe\x00", b'{"seconds": 1', b"nan", b"'single'"]
+    for job in ("fast", "slow"):
+        for body in bodies:
+            r = await client.post(
+                url + f"/cron/{job}",
+                content=body,
+                headers={**AUTH, "Content-Type": "application/json"},
+            )
+            assert r.status_code == 422, (job, body, r.text)
+            assert_no_leak(r)
+    for params in ('"a string"', "[]", '{"seconds": "long"}', '{"seconds": -1}', "1e999"):
+        r = await client.post(url + "/cron/slow", content=params.encode(), headers=AUTH)
+        assert r.status_code == 422, (params, r.text)
+    assert await runs(db, "fast") == []
+    assert await runs(db, "slow") == []
+
+
+TRICKY_NAMES = [
+    "fast;DROP TABLE cron_runs",
+    "fast'--",
+    "fast' OR '1'='1",
+    'fast"; SELECT pg_sleep(10); --',
+    "fast%00",
+    "fast%0ASELECT",
+    "%2e%2e%2fopenapi.json",
+    "..%2f..%2fetc%2fpasswd",
+    "fast%2f..%2fslow",
+    "fast/",
+    "fast/extra",
+    "FAST",
+    "fast%20",
+    "jobs%3Bselect",
+    "$(id)",
+    "%C3%A9t%C3%A9",
+    "a" * 300,
+]
+
+
+async def test_tricky_job_names_are_404_and_run_nothing(
+    url: str, client: httpx.AsyncClient, db: asyncpg.Connection, cluster: Cluster
+) -> None:
+    for name in TRICKY_NAMES:
+        r = await client.post(url + "/cron/" + name, headers=AUTH)
+        assert r.status_code in (400, 404), (name, r.status_code, r.text)
+        if r.status_code == 404:
+            # A name the route pattern cannot match at all (a newline) gets the plain 404.
+            assert r.json()["error"] in ("unknown job", "Not Found"), (name, r.text)
+        assert_no_leak(r)
+    assert await db.fetchval("SELECT count(*) FROM cron_runs") == 0
+    assert await effects(db) == 0
+    await settle(db, cluster)
