@@ -444,14 +444,21 @@ class Runner:
         await self.db.release(conn)
 
     async def shutdown(self, grace: float) -> None:
-        """Give background runs (`wait=false`) their grace period, then cancel them."""
-        if not self.background:
-            return
-        _, pending = await asyncio.wait(set(self.background), timeout=grace)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=5.0)
+        """Give background runs (`wait=false`) their grace period, then cancel them; then wait
+        a little for runs still settling, before the pool they record with closes."""
+        if self.background:
+            _, pending = await asyncio.wait(set(self.background), timeout=grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+        # Runs answered in their request were cancelled by uvicorn at the end of its own
+        # graceful-shutdown timeout, just before the lifespan got here: they are still rolling
+        # back and recording `cancelled`, which needs the pool (else their rows stay `running`
+        # until swept as `abandoned`).
+        deadline = time.monotonic() + 5.0
+        while self.local and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a dict
+            await asyncio.sleep(0.05)
 
 
 def _terminate(conn: Conn) -> None:
