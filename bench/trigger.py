@@ -5,12 +5,17 @@ interleaved rounds of four paths, each answering 200:
 
   (a) POST /bench/constant          the framework alone (auth middleware included)
   (b) POST /bench/select1           one `SELECT 1` through the same pool
-  (c) POST /cron/bench-running      "already running": the bench holds the job's lock
-  (d) POST /cron/bench-done         "already done": the slot has a succeeded ledger row
+  (c) POST /cron/bench-NN-running  "already running": the bench holds the job's lock
+  (d) POST /cron/bench-NN-done     "already done": the slot has a succeeded ledger row
+  (e) POST /cron/bench-00-done     (d) on one job: the in-process short-circuit answers most
+
+(c) and (d) rotate over 12 jobs each, so every request takes the database probe. Besides
+req/s and latency, the server's CPU time per request (user + system, from /proc) is shown:
+it is what a path costs whatever else the machine is doing.
 
 Goal (issue 6): (c) and (d) reach >= 0.8 of (b)'s requests/s, with p99 <= 1.5 x (b)'s.
 
-    .venv/bin/python bench/trigger.py [--rounds 5] [--seconds 5] [--pgbouncer] [--json out.json]
+    .venv/bin/python bench/trigger.py [--rounds 6] [--seconds 4] [--pgbouncer] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import re
 import shutil
 import sys
@@ -53,7 +59,7 @@ from bench.common import (
     wrk,
     wrk_script,
 )
-from bench.jobs import ROTATION
+from bench.jobs import ROTATION, done_job, running_job
 
 
 @dataclass(frozen=True)
@@ -67,15 +73,15 @@ class Route:
     def shown(self) -> str:
         if len(self.paths) == 1:
             return self.paths[0]
-        return self.paths[0].rsplit("-", 1)[0] + f"-{{0..{len(self.paths) - 1}}}"
+        return self.paths[0].replace("-00-", f"-{{00..{len(self.paths) - 1:02d}}}-")
 
     @property
     def jobs(self) -> tuple[str, ...]:
         return tuple(p.removeprefix("/cron/") for p in self.paths if p.startswith("/cron/"))
 
 
-RUNNING = tuple(f"/cron/bench-running-{n}" for n in range(ROTATION))
-DONE = tuple(f"/cron/bench-done-{n}" for n in range(ROTATION))
+RUNNING = tuple(f"/cron/{running_job(n)}" for n in range(ROTATION))
+DONE = tuple(f"/cron/{done_job(n)}" for n in range(ROTATION))
 
 ROUTES = (
     Route("a", "constant JSON", ("/bench/constant",), "constant"),
@@ -108,10 +114,16 @@ async def holding_locks(dsn: str, jobs: tuple[str, ...]) -> AsyncIterator[None]:
 
 
 async def check_answer(client: httpx.AsyncClient, route: Route) -> None:
+    """Each path answers what the route is about (a request of the previous wrk run may still
+    be in flight for a moment and answer "already running": try again shortly)."""
     for path in route.paths:
-        response = await client.post(path)
-        body = response.json()
-        if response.status_code != 200 or body.get("reason") != route.reason:
+        for _attempt in range(20):
+            response = await client.post(path)
+            body = response.json()
+            if response.status_code == 200 and body.get("reason") == route.reason:
+                break
+            await asyncio.sleep(0.05)
+        else:
             raise RuntimeError(f"{path}: expected {route.reason!r}, got {body}")
 
 
@@ -132,6 +144,13 @@ async def skips(client: httpx.AsyncClient, jobs: tuple[str, ...]) -> Counter[str
 class Run:
     result: WrkResult
     answers: Counter[str]  # skip reasons the instance counted during the run
+    cpu_us: float  # the server's CPU time (user + system) per request
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def bench(
@@ -161,7 +180,7 @@ async def bench(
             httpx.AsyncClient(base_url=instance.url, headers=headers, timeout=30) as client,
             holding_locks(dsn, tuple(p.removeprefix("/cron/") for p in RUNNING)),
         ):
-            # The one run of each bench-done job for today's slot: later triggers are skips.
+            # The one run of each done job for today's slot: later triggers are skips.
             for path in DONE:
                 (await client.post(path)).raise_for_status()
             with contextlib.ExitStack() as stack:
@@ -181,6 +200,7 @@ async def bench(
                     for route in ROUTES[shift:] + ROUTES[:shift]:
                         await check_answer(client, route)
                         before = await skips(client, route.jobs)
+                        cpu_before = cpu_seconds(instance.pid)
                         result = await wrk(
                             instance.url,
                             scripts[route.key],
@@ -188,14 +208,17 @@ async def bench(
                             connections=connections,
                             cpus=client_cpus,
                         )
+                        cpu = cpu_seconds(instance.pid) - cpu_before
                         answers = await skips(client, route.jobs)
                         answers.subtract(before)
                         if result.errors:
                             raise RuntimeError(f"({route.key}): {result.errors} errors in wrk")
-                        results[route.key].append(Run(result, +answers))
+                        cpu_us = cpu / result.requests * 1e6 if result.requests else 0.0
+                        results[route.key].append(Run(result, +answers, cpu_us))
                         print(
                             f"  {label} round {number + 1}/{rounds} ({route.key}) "
                             f"{result.rps:8.0f} req/s  p99 {result.percentiles_ms[99.0]:6.2f} ms"
+                            f"  {cpu_us:5.0f} µs CPU/req"
                             f"  {dict(+answers) or ''}",
                             file=sys.stderr,
                             flush=True,
@@ -221,7 +244,7 @@ def verify(results: dict[str, list[Run]]) -> None:
                     f"the instance {total} skips"
                 )
             # A rotating route meets the in-process short-circuit only if one request stalls
-            # while 16 others go by; more than a stray one means the figure is not the probe's.
+            # while a dozen others go by; more than a stray one: the figure is not the probe's.
             if len(route.paths) > 1 and run.answers[route.reason] < 0.99 * total:
                 raise RuntimeError(f"({route.key}): unexpected answers {dict(run.answers)}")
 
@@ -258,6 +281,7 @@ def summarise(results: dict[str, list[Run]]) -> tuple[str, str, dict[str, Any]]:
                 *stats([r.rps for r in runs]),
                 *stats([r.percentiles_ms[50.0] for r in runs]),
                 *stats([r.percentiles_ms[99.0] for r in runs]),
+                stats([r.cpu_us for r in results[route.key]])[1],
                 answered,
             ]
         )
@@ -274,6 +298,7 @@ def summarise(results: dict[str, list[Run]]) -> tuple[str, str, dict[str, Any]]:
             "p99 ms min",
             "p99 med",
             "p99 max",
+            "CPU µs/req med",
             "answers",
         ],
         rows,
@@ -286,10 +311,11 @@ def summarise(results: dict[str, list[Run]]) -> tuple[str, str, dict[str, Any]]:
         p99_ratio = stats(
             [x.result.percentiles_ms[99.0] / b.result.percentiles_ms[99.0] for x, b in pairs]
         )
+        cpu_ratio = stats([x.cpu_us / b.cpu_us for x, b in pairs if b.cpu_us])
         met = rps_ratio[1] >= 0.8 and p99_ratio[1] <= 1.5
-        verdict[key] = {"rps": rps_ratio, "p99": p99_ratio, "met": met}
+        verdict[key] = {"rps": rps_ratio, "p99": p99_ratio, "cpu": cpu_ratio, "met": met}
         shown = ("met" if met else "MISSED") if key in GOAL_KEYS else "(not a goal)"
-        ratio_rows.append([f"({key})/(b)", *rps_ratio, *p99_ratio, shown])
+        ratio_rows.append([f"({key})/(b)", *rps_ratio, *p99_ratio, cpu_ratio[1], shown])
     ratios = table(
         [
             "per-round ratio",
@@ -299,6 +325,7 @@ def summarise(results: dict[str, list[Run]]) -> tuple[str, str, dict[str, Any]]:
             "p99 min",
             "p99 med",
             "p99 max",
+            "CPU/req med",
             "goal: req/s >= 0.8, p99 <= 1.5 (medians)",
         ],
         ratio_rows,
@@ -316,6 +343,7 @@ def raw(results: dict[str, list[Run]]) -> dict[str, Any]:
                     "rps": r.result.rps,
                     "requests": r.result.requests,
                     "answers": dict(r.answers),
+                    "cpu_us_per_request": r.cpu_us,
                     "percentiles_ms": {f"{q:g}": r.result.percentiles_ms[q] for q in PERCENTILES},
                 }
                 for r in results[route.key]
@@ -387,8 +415,8 @@ async def run(args: argparse.Namespace, server: Server) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=5.0, help="per path and round")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--seconds", type=float, default=4.0, help="per path and round")
     parser.add_argument("--warmup", type=float, default=2.0, help="per path, once")
     parser.add_argument("--connections", type=int, default=8, help="wrk connections")
     parser.add_argument("--server-cpus", default="1", help="taskset list for uvicorn")
