@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import datetime
@@ -102,6 +103,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     settings = Settings()
     settings.check_secrets()
+    # uvicorn re-raises SIGTERM once it has shut down; as an exception rather than the default
+    # action, it still lets the `finally` below stop the embedded PostgreSQL.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         uvicorn.run(
             "app.main:create_app",
@@ -117,6 +121,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if embedded is not None:
             embedded.stop()
     return EXIT_OK
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def generate_secret(folder: Path) -> Path:
@@ -303,7 +311,7 @@ def add_ops_commands(sub: Any) -> None:
     cancel.add_argument("--json", action="store_true")
     cancel.set_defaults(handler=cmd_cancel)
 
-    outbox = sub.add_parser("outbox", help="the email outbox: dead rows, requeue")
+    outbox = sub.add_parser("outbox", help="the email outbox: drain, dead rows, requeue")
     outbox_sub = outbox.add_subparsers(metavar="action")
     dead = outbox_sub.add_parser("dead", help="dead-lettered emails with their last error")
     dead.add_argument("--limit", type=int, default=100)
@@ -314,6 +322,11 @@ def add_ops_commands(sub: Any) -> None:
     requeue.add_argument("--all", action="store_true", help="every dead row")
     requeue.add_argument("--json", action="store_true")
     requeue.set_defaults(handler=cmd_outbox_requeue)
+    drain = outbox_sub.add_parser(
+        "drain", help="run a dedicated sender until SIGTERM (or, with --once, until empty)"
+    )
+    drain.add_argument("--once", action="store_true", help="exit when nothing is due")
+    drain.set_defaults(handler=cmd_outbox_drain)
     outbox.set_defaults(handler=lambda args: _usage(outbox))
 
     schedule = sub.add_parser("schedule", help="the external scheduler's configuration")
@@ -734,6 +747,19 @@ async def cmd_outbox_dead(args: argparse.Namespace) -> int:
         for r in rows
     ]
     print(_table(["ID", "JOB", "SLOT", "RECIPIENT", "ATTEMPTS", "LAST ERROR"], table))
+    return EXIT_OK
+
+
+async def cmd_outbox_drain(args: argparse.Namespace) -> int:
+    from app import outbox
+    from app.errors import DatabaseUnavailable
+
+    settings = Settings()
+    settings.check_email()
+    try:
+        await outbox.run_sender(settings, once=args.once)
+    except DatabaseUnavailable as exc:
+        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
     return EXIT_OK
 
 
