@@ -197,8 +197,9 @@ async def succeeded_slots(
     return {(r["job"], r["slot"]) for r in rows}
 
 
-# A `running` row whose job holds no advisory lock any more was left by an instance that died
-# (kill -9, lost connection): its transaction rolled back, so nothing of it persisted.
+# A `running` row whose backend holds the job's advisory lock no more was left by an instance
+# that died (kill -9, lost connection): its transaction rolled back, so nothing of it
+# persisted. Matching the backend too closes it even while a newer run holds the lock.
 ABANDON_SQL = """
 UPDATE cron_runs r
 SET status = 'abandoned', finished_at = clock_timestamp(),
@@ -211,6 +212,7 @@ WHERE r.status = 'running'
         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
         AND ((l.classid::bigint << 32) | l.objid::bigint)
             = hashtextextended(r.job, $1)
+        AND (r.backend_pid IS NULL OR l.pid = r.backend_pid)
   )
   AND ($2::text IS NULL OR r.job = $2)
 RETURNING r.id
