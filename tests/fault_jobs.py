@@ -40,6 +40,15 @@ async def gated(ctx: JobContext) -> int:
     return 1
 
 
+@job("times-out-in-sql", params=Sleep, timeout=0.5)
+async def times_out_in_sql(ctx: JobContext) -> int:
+    """Record one effect, then run a statement past the 0.5 s timeout: the runner must end
+    it by closing the connection, not with a cancel request through PgBouncer."""
+    await record_side_by_side(ctx)
+    await ctx.conn.execute("SELECT pg_sleep($1)", ctx.params.seconds or 10)
+    return 1
+
+
 def _long(number: int) -> None:
     @job(f"long-{number}", params=Sleep, timeout=20)
     async def long_job(ctx: JobContext) -> int:

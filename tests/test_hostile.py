@@ -67,10 +67,14 @@ def cluster(hostile_db: str) -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def url(cluster: Cluster, report_logs: Callable[[list[Instance]], None]) -> str:
+def url(cluster: Cluster, report_logs: Callable[[list[Instance]], None]) -> Iterator[str]:
+    """nginx's URL; a PgBouncer that died meanwhile fails the test with its log."""
     assert cluster.nginx is not None
+    assert cluster.pgbouncer is not None
     report_logs(cluster.instances)
-    return cluster.nginx.url
+    cluster.pgbouncer.check_alive()
+    yield cluster.nginx.url
+    cluster.pgbouncer.check_alive()
 
 
 @pytest.fixture
