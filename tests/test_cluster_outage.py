@@ -149,8 +149,16 @@ async def assert_recovers(
 
         await wait_for(runs_again, within, f"{url} to run a job again", interval=0.2)
     for instance in cluster.instances:
-        ready = await client.get(instance.url + "/readyz")
-        assert ready.status_code == 200, (instance.name, ready.text)
+
+        async def ready(instance: Instance = instance) -> bool:
+            answer = await client.get(instance.url + "/readyz")
+            if answer.status_code == 503:
+                assert_clean_error(answer, (503,))
+                return False
+            assert answer.status_code == 200, (instance.name, answer.text)
+            return True
+
+        await wait_for(ready, within, f"{instance.name} to be ready again", interval=0.2)
     assert [i.pid for i in cluster.instances] == pids
     return done
 
