@@ -42,7 +42,7 @@ from tests.support.faults import (
     wait_ready,
 )
 from tests.support.postgres import PostgresServer, create_database, drop_database, unique_name
-from tests.util import effects, lock_held, post, runs, wait_for
+from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -176,7 +176,8 @@ async def test_storm_of_1000_triggers_runs_the_job_once(
     assert [r["status"] for r in await runs(db, "gated")] == ["succeeded"]
     await check_books(db, answers)
     await settle(db, cluster)
-    print(f"storm: {STORM - 1} skips answered in {answered_in:.2f}s")
+    # Bounded, and far from the 60 s client timeout (about 3 s on 2 cores).
+    assert answered_in < 30, f"{STORM - 1} skips took {answered_in:.1f}s"
 
 
 # --- the holder dies or freezes -------------------------------------------------------------
@@ -204,7 +205,7 @@ async def test_killed_holder_frees_the_lock_through_pgbouncer(
 
     # The ledger tells the truth once someone looks: the victim's run is `abandoned`.
     async def closed() -> bool:
-        await client.get(survivors[0].url + "/cron/runs?job=slow-sql", headers=AUTH_HEADERS)
+        await client.get(survivors[0].url + "/cron/runs?job=slow-sql", headers=AUTH)
         return "running" not in {row["status"] for row in await runs(db, "slow-sql")}
 
     await wait_for(closed, 10, "the victim's run to be closed")
@@ -448,6 +449,3 @@ async def test_pool_exhaustion_answers_503_at_once_and_skips_stay_fast(
 
 async def _some_running(db: asyncpg.Connection, jobs: list[str]) -> bool:
     return any([await lock_held(db, job) for job in jobs])
-
-
-AUTH_HEADERS = {"Authorization": f"Bearer {CLUSTER_ENV['CRON_SECRET']}"}
