@@ -49,8 +49,9 @@ class ServiceError(RuntimeError):
 # --- sizing ---------------------------------------------------------------------------------
 
 
-def sizing(instances: int, pool_per_instance: int) -> dict[str, int]:
-    """Connection limits for `instances` app processes with asyncpg pools of `pool_per_instance`.
+def sizing(instances: int, pool_per_instance: int, burst: int = 1000) -> dict[str, int]:
+    """Connection limits for `instances` app processes with asyncpg pools of `pool_per_instance`,
+    taking `burst` concurrent triggers through the load balancer at once.
 
     - PgBouncer `default_pool_size` = instances x pool: a cron run holds its server connection
       for its whole transaction (that is where the advisory lock lives), so a smaller pool
@@ -64,8 +65,8 @@ def sizing(instances: int, pool_per_instance: int) -> dict[str, int]:
       (one direct LISTEN connection each, which cannot go through transaction pooling)
       + 10 (psql, migrations, backups) + 3 (superuser_reserved_connections).
     - nginx `worker_connections` >= 2 x concurrent client requests + upstream keepalive: each
-      proxied request holds a client and an upstream connection. We admit 8 requests per pooled
-      connection (the rest would only wait out the acquire timeout) and never go below 1024.
+      proxied request holds a client and an upstream connection. A storm of skips is cheap for
+      the instances but not for nginx: size it for the whole burst, never below 1024.
     - nginx upstream `keepalive` = instances x pool: one idle connection per request an
       instance can serve at once, so steady load opens no new TCP connections.
     """
@@ -79,7 +80,7 @@ def sizing(instances: int, pool_per_instance: int) -> dict[str, int]:
         "pgbouncer_reserve_pool_size": reserve,
         "pgbouncer_max_client_conn": 2 * pooled + 20,
         "postgres_max_connections": pooled + reserve + instances + 10 + 3,
-        "nginx_worker_connections": max(1024, 2 * 8 * pooled + keepalive),
+        "nginx_worker_connections": max(1024, 2 * burst + keepalive),
         "nginx_keepalive": keepalive,
     }
 

@@ -36,7 +36,9 @@ class Settings(BaseSettings):
     # A direct (not pooled) URL for LISTEN, which does not work through PgBouncer in
     # transaction mode; defaults to database_url.
     database_direct_url: str | None = None
-    db_pool_max_size: int = Field(default=10, ge=1)
+    # One more than the jobs that may run at once: a run also briefly needs a second
+    # connection to record itself in the ledger.
+    db_pool_max_size: int = Field(default=10, ge=2)
     db_acquire_timeout: float = Field(default=2.0, gt=0)
     db_connect_timeout: float = Field(default=5.0, gt=0)
     # PgBouncer < 1.21 cannot route prepared statements: keep 0 unless connecting directly.

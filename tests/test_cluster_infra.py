@@ -161,7 +161,7 @@ def test_sizing_leaves_room_for_every_pooled_connection() -> None:
     assert sizes["postgres_max_connections"] > (
         sizes["pgbouncer_default_pool_size"] + sizes["pgbouncer_reserve_pool_size"] + 3
     )
-    assert sizes["nginx_worker_connections"] >= 2 * sizes["nginx_keepalive"]
+    assert sizes["nginx_worker_connections"] >= 2 * 1000 + sizes["nginx_keepalive"]
     with pytest.raises(ValueError, match="at least 1"):
         sizing(0, 10)
 
