@@ -100,8 +100,9 @@ the update of `last_digest_at` cannot be HOT (it is indexed by `users_digest_due
 user costs three index entries on `users` and four on `email_outbox` (including the text
 `idempotency_key`). Against the loop as cronlock's pool would run it (no statement cache,
 four round trips per user) the set-based run is 20 x faster or more; against one with prepared
-statements (two round trips per user) it is less than 20 x: the remaining gap is round
-trips, and the floor itself is index-bound.
+statements (two round trips per user) the margin is thin, near 20 x and on either side of it
+from run to run: the loop's extra cost is only its round trips, and the floor itself is
+index-bound.
 
 **Storm.** One run, every other answer a skip: the in-process short-circuit answers all but
 one trigger per instance without the database; the skip latency is the time to get through
