@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal, get_args
 
 import asyncpg
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
 from pydantic import BaseModel, PlainSerializer
 
@@ -542,7 +542,10 @@ async def get_runs(
     responses={404: {"description": "no such run"}, **UNAVAILABLE},
 )
 async def get_run(
-    run_id: int, db: DatabaseDep, registry: RegistryDep, settings: SettingsDep
+    run_id: Annotated[int, Path(ge=1, le=2**63 - 1, description="a run id (bigint)")],
+    db: DatabaseDep,
+    registry: RegistryDep,
+    settings: SettingsDep,
 ) -> Any:
     """One run; poll it to follow a run started with `wait=false`."""
     try:

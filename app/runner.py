@@ -39,7 +39,7 @@ STANDBY_REASON = (
     "so jobs are refused"
 )
 
-# Skips answered many times a slot by design; logged at DEBUG (see `Runner._log`).
+# Skips answered many times a slot by design; DEBUG with LOG_SKIPS=false (see `Runner._log`).
 ROUTINE_SKIPS = ("already running", "already done")
 
 Kind = Literal["succeeded", "skipped", "accepted", "failed", "timed_out", "cancelled"]
@@ -405,11 +405,11 @@ class Runner:
         return outcome
 
     def _log(self, outcome: Outcome, source: str) -> None:
-        # Routine skips (a scheduler retrying, a trigger storm) are counted in the metrics and
-        # logged at DEBUG only: a JSON line each was the largest cost of a skip, more than its
-        # database round trips (bench/trigger.py). Runs and "too late" stay at INFO.
+        # One line per trigger. LOG_SKIPS=false moves routine skips (a scheduler retrying, a
+        # trigger storm) to DEBUG: a JSON line is a good part of a skip's CPU cost
+        # (bench/trigger.py); they are still counted in the metrics.
         routine = outcome.kind == "skipped" and outcome.reason in ROUTINE_SKIPS
-        level = logging.DEBUG if routine else logging.INFO
+        level = logging.DEBUG if routine and not self.settings.log_skips else logging.INFO
         if self.metrics is not None:
             self.metrics.observe(outcome)
         if not log.isEnabledFor(level):

@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     # Two baseline routes for bench/ (constant JSON; one SELECT 1 through the pool), behind the
     # cron secret like a trigger. Off in production.
     bench_endpoints: bool = False
+    # One log line per trigger, skips included. Off: "already running"/"already done" skips
+    # go to DEBUG (still counted in /metrics), for deployments whose storms would flood logs.
+    log_skips: bool = True
     log_format: Literal["auto", "json", "text"] = "auto"
     log_level: str = "INFO"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +12,7 @@ import httpx
 import pytest
 
 from tests.support import TEST_SECRET
-from tests.util import AUTH, effects, lock_held, post, runs
+from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
 PREVIOUS = "p" * 40
 
@@ -202,3 +204,21 @@ async def test_success_answer_and_ledger(
     assert row["params"] == {"seconds": 0.01}
     assert row["instance"] == "api"
     assert row["finished_at"] >= row["started_at"]
+
+
+async def test_every_trigger_is_logged_skips_included(
+    instance: Any, client: Any, start_instance: Starter
+) -> None:
+    await post(client, instance.url + "/cron/yearly")
+    await post(client, instance.url + "/cron/yearly")
+
+    async def logged() -> bool:
+        return '"reason": "already done"' in instance.log()
+
+    await wait_for(logged, 5, "the skip's log line")
+    lines = [line for line in instance.log().splitlines() if '"job": "yearly"' in line]
+    assert [json.loads(line)["outcome"] for line in lines] == ["succeeded", "skipped"]
+    quiet = start_instance("quiet", {"LOG_SKIPS": "false"})
+    await post(client, quiet.url + "/cron/yearly")
+    await asyncio.sleep(0.3)
+    assert '"reason": "already done"' not in quiet.log()
