@@ -721,13 +721,10 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 async def cmd_outbox_dead(args: argparse.Namespace) -> int:
+    from app import outbox
     from app.errors import DatabaseUnavailable
 
     settings = Settings()
-    try:
-        from app import outbox
-    except ImportError:
-        return _fail("this build has no outbox module", EXIT_USAGE)
     try:
         conn = await _read_connection(settings)
     except DatabaseUnavailable as exc:
@@ -768,11 +765,9 @@ async def cmd_outbox_requeue(args: argparse.Namespace) -> int:
 
     if bool(args.ids) == bool(args.all):
         return _fail("give outbox ids, or --all", EXIT_USAGE)
+    from app import outbox
+
     settings = Settings()
-    try:
-        from app import outbox
-    except ImportError:
-        return _fail("this build has no outbox module", EXIT_USAGE)
     try:
         conn = await _read_connection(settings)
     except DatabaseUnavailable as exc:

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 from typing import TypedDict
 
 from fastapi import FastAPI
+from pydantic import SecretStr
 
-from app import __version__, api, logs, ops
+from app import __version__, api, logs, ops, outbox
 from app.auth import BearerAuth
 from app.db import Database
 from app.errors import JobDefinitionError
@@ -93,16 +94,13 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
     return app
 
 
-def _token(secret: object) -> list[bytes]:
-    value = getattr(secret, "get_secret_value", None)
-    return [value().encode()] if value is not None else []
+def _token(secret: SecretStr | None) -> list[bytes]:
+    return [secret.get_secret_value().encode()] if secret is not None else []
 
 
 async def _deliver(db: Database, settings: Settings, stop: asyncio.Event) -> None:
     """The outbox delivery loop of this instance; it waits for the database like everything
     else and never takes the service down with it."""
-    from app import outbox
-
     while not stop.is_set():
         try:
             await outbox.run_in_app(db.pool, settings, stop)
