@@ -28,7 +28,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from app.jobs import Job, Registry
-from app.schedule import Schedule
+from app.schedule import MACROS, Schedule
 
 Format = Literal["crontab", "kubernetes", "vercel", "compose"]
 FORMATS: tuple[Format, ...] = ("crontab", "kubernetes", "vercel", "compose")
@@ -48,15 +48,6 @@ K8S_SECRET_DIR = "/var/run/secrets/cronlock"  # noqa: S105 - a path, not a secre
 # service's clean 504 arrives before the client gives up.
 CURL_MARGIN = 30
 
-_MACROS = {
-    "@hourly": "0 * * * *",
-    "@daily": "0 0 * * *",
-    "@midnight": "0 0 * * *",
-    "@weekly": "0 0 * * 0",
-    "@monthly": "0 0 1 * *",
-    "@yearly": "0 0 1 1 *",
-    "@annually": "0 0 1 1 *",
-}
 _MONTH_NAMES = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 _DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
 
@@ -72,7 +63,7 @@ def _numeric(expr: str) -> list[str]:
     """The five fields of `expr` with macros expanded and month/day names as numbers (Vercel
     accepts numbers only; cron accepts both)."""
     text = expr.strip()
-    text = _MACROS.get(text.lower(), text)
+    text = MACROS.get(text.lower(), text)
     fields = text.split()
 
     def numbers(field: str, names: Sequence[str], first: int) -> str:

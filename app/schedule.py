@@ -51,7 +51,7 @@ _HORIZON = timedelta(days=50 * 366)
 # day-of-month, weekday) combination, Feb 29 on each weekday included.
 _FEASIBILITY_START = date(2000, 1, 1)
 
-_MACROS = {
+MACROS = {
     "@hourly": "0 * * * *",
     "@daily": "0 0 * * *",
     "@midnight": "0 0 * * *",
@@ -269,10 +269,10 @@ def _compile(expr: str, tz: str) -> _Compiled:
         raise ScheduleError(f"cron expression must be a string, got {type(expr).__name__}")
     text = expr.strip()
     if text.startswith("@"):
-        if text.lower() not in _MACROS:
-            known = ", ".join(_MACROS)
+        if text.lower() not in MACROS:
+            known = ", ".join(MACROS)
             raise ScheduleError(f"unknown macro {text!r} (known: {known})")
-        text = _MACROS[text.lower()]
+        text = MACROS[text.lower()]
     fields = text.split()
     if len(fields) != 5:
         raise ScheduleError(
