@@ -12,7 +12,7 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.util import effects, lock_held, post, runs, wait_for
+from tests.util import effects, lock_free, lock_held, post, runs, wait_for
 
 Starter = Callable[..., Any]
 
@@ -101,7 +101,7 @@ async def test_killed_holder_frees_the_lock(
     running = asyncio.create_task(post(client, victim.url + "/cron/slow-sql", json={"seconds": 30}))
     await wait_for(lambda: lock_held(db, "slow-sql"), 10, "the victim to take the lock")
     victim.kill()
-    freed = await wait_for(lambda: _not(lock_held(db, "slow-sql")), 10, "the lock to free")
+    freed = await wait_for(lambda: lock_free(db, "slow-sql"), 10, "the lock to free")
     with pytest.raises(httpx.HTTPError):
         await running
     r = await post(client, other.url + "/cron/slow-sql", json={"seconds": 0})
@@ -121,7 +121,7 @@ async def test_frozen_holder_loses_the_lock_and_commits_nothing(
     frozen.freeze()
     started = time.monotonic()
     try:
-        await wait_for(lambda: _not(lock_held(db, "held")), 10, "the database to free the lock")
+        await wait_for(lambda: lock_free(db, "held"), 10, "the database to free the lock")
         freed_after = time.monotonic() - started
         r = await post(client, other.url + "/cron/held", json={"seconds": 0})
         assert r.json()["processed"] == 1, r.text
@@ -165,11 +165,3 @@ async def test_digest_one_outbox_row_per_user_per_slot(
     assert disabled == 0
     stamped = await db.fetchval("SELECT count(*) FROM users WHERE last_digest_at IS NOT NULL")
     assert stamped == 450
-
-
-async def _not_coro(check: Any) -> bool:
-    return not await check
-
-
-def _not(check: Any) -> Any:
-    return _not_coro(check)

@@ -44,6 +44,10 @@ async def lock_held(db: asyncpg.Connection, job: str, namespace: int = 0) -> boo
     return bool(held)
 
 
+async def lock_free(db: asyncpg.Connection, job: str, namespace: int = 0) -> bool:
+    return not await lock_held(db, job, namespace)
+
+
 async def wait_for(
     check: Callable[[], Awaitable[bool]], within: float, what: str, interval: float = 0.05
 ) -> float:
