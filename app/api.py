@@ -96,6 +96,9 @@ def outcome_response(outcome: Outcome) -> JSONResponse:
         )
     if outcome.kind == "timed_out":
         return error(504, "job timed out", job=outcome.job, run_id=outcome.run_id)
+    if outcome.kind == "cancelled":
+        # Still a 5xx: the slot is not done, and a scheduler should know.
+        return error(500, "job cancelled", job=outcome.job, run_id=outcome.run_id)
     return error(500, "job failed", job=outcome.job, run_id=outcome.run_id)
 
 

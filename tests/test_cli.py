@@ -284,6 +284,7 @@ async def test_cancel_rolls_the_run_back_and_records_it(
     answer = await pending
     assert answer.status_code == 500
     assert answer.json()["run_id"] == body["run_id"]
+    assert answer.json()["error"] == "job cancelled"
     assert body["released"] is True
     assert body["instance"] == "svc"
     assert body["signal"] == "cancel"
