@@ -406,8 +406,8 @@ class Runner:
 
     def _log(self, outcome: Outcome, source: str) -> None:
         # One line per trigger. LOG_SKIPS=false moves routine skips (a scheduler retrying, a
-        # trigger storm) to DEBUG: a JSON line is a good part of a skip's CPU cost
-        # (bench/trigger.py); they are still counted in the metrics.
+        # trigger storm) to DEBUG, for logs a storm would flood; they are still counted in the
+        # metrics.
         routine = outcome.kind == "skipped" and outcome.reason in ROUTINE_SKIPS
         level = logging.DEBUG if routine and not self.settings.log_skips else logging.INFO
         if self.metrics is not None:
