@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from app.errors import DatabaseUnavailable
 from app.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    import asyncpg
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -47,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"cronlock: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except DatabaseUnavailable as exc:
+        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
     except KeyboardInterrupt:
         return 130
 
@@ -192,7 +199,6 @@ async def _prepare_embedded(server: Any, admin: str, demo_users: int) -> str:
 
 async def cmd_migrate(args: argparse.Namespace) -> int:
     from app.db import connect, migrate
-    from app.errors import DatabaseUnavailable
 
     settings = Settings()
     try:
@@ -211,7 +217,7 @@ async def cmd_migrate(args: argparse.Namespace) -> int:
 async def cmd_run(args: argparse.Namespace) -> int:
     from app.api import parse_params
     from app.db import Database
-    from app.errors import DatabaseUnavailable, InvalidTrigger
+    from app.errors import InvalidTrigger
     from app.jobs import load
     from app.runner import Runner
 
@@ -411,28 +417,27 @@ def _seconds(value: float | None) -> str | None:
     return None if value is None else f"{value:.1f} s"
 
 
-async def _read_connection(settings: Settings) -> Any:
+@contextlib.asynccontextmanager
+async def _connection(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
+    """A direct connection for one command; DatabaseUnavailable becomes exit code 3 in main."""
     from app.db import connect
 
-    return await connect(settings)
+    conn = await connect(settings)
+    try:
+        yield conn
+    finally:
+        await conn.close()
 
 
 async def cmd_jobs(args: argparse.Namespace) -> int:
     from app import ops
-    from app.errors import DatabaseUnavailable
 
     settings = Settings()
     registry = _load_registry(settings)
-    try:
-        conn = await _read_connection(settings)
-        try:
-            await ops.sweep(conn, settings)
-            async with ops.reading(conn):
-                view = await ops.jobs(conn, registry)
-        finally:
-            await conn.close()
-    except DatabaseUnavailable as exc:
-        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    async with _connection(settings) as conn:
+        await ops.sweep(conn, settings)
+        async with ops.reading(conn):
+            view = await ops.jobs(conn, registry)
     if args.json:
         _print_json(view.model_dump(mode="json"))
         return EXIT_OK
@@ -475,29 +480,22 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
 
 async def cmd_runs(args: argparse.Namespace) -> int:
     from app import ops
-    from app.errors import DatabaseUnavailable
 
     if not 1 <= args.limit <= 500:
         return _fail("--limit must be between 1 and 500", EXIT_USAGE)
     settings = Settings()
     registry = _load_registry(settings)
-    try:
-        conn = await _read_connection(settings)
-        try:
-            await ops.sweep(conn, settings, args.job)
-            async with ops.reading(conn):
-                page = await ops.runs(
-                    conn,
-                    registry,
-                    job=args.job,
-                    status=args.status,
-                    before=args.before,
-                    limit=args.limit,
-                )
-        finally:
-            await conn.close()
-    except DatabaseUnavailable as exc:
-        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    async with _connection(settings) as conn:
+        await ops.sweep(conn, settings, args.job)
+        async with ops.reading(conn):
+            page = await ops.runs(
+                conn,
+                registry,
+                job=args.job,
+                status=args.status,
+                before=args.before,
+                limit=args.limit,
+            )
     if args.json:
         _print_json(page.model_dump(mode="json"))
         return EXIT_OK
@@ -525,19 +523,11 @@ async def cmd_runs(args: argparse.Namespace) -> int:
 
 async def cmd_locks(args: argparse.Namespace) -> int:
     from app import ops
-    from app.errors import DatabaseUnavailable
 
     settings = Settings()
     registry = _load_registry(settings)
-    try:
-        conn = await _read_connection(settings)
-        try:
-            async with ops.reading(conn):
-                found = await ops.locks(conn, registry)
-        finally:
-            await conn.close()
-    except DatabaseUnavailable as exc:
-        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    async with _connection(settings) as conn, ops.reading(conn):
+        found = await ops.locks(conn, registry)
     if args.json:
         _print_json(ops.LocksView(locks=found).model_dump(mode="json"))
         return EXIT_OK
@@ -636,7 +626,6 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     import time
 
     from app import ops
-    from app.errors import DatabaseUnavailable
 
     settings = Settings()
     registry = _load_registry(settings)
@@ -648,11 +637,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
             found = await ops.locks(conn, registry)
         return next((lk for lk in found if lk.job == args.job and lk.granted), None)
 
-    try:
-        conn = await _read_connection(settings)
-    except DatabaseUnavailable as exc:
-        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
-    try:
+    async with _connection(settings) as conn:
         first = await holder(conn)
         if first is None:
             return _fail(f"{args.job} is not running", EXIT_FAILED)
@@ -688,10 +673,6 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
                 if released:
                     await ops.sweep(conn, settings, args.job)
                 await asyncio.sleep(0.1)
-    except DatabaseUnavailable as exc:
-        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
-    finally:
-        await conn.close()
     result = {
         "job": args.job,
         "pid": first.pid,
@@ -722,17 +703,10 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 async def cmd_outbox_dead(args: argparse.Namespace) -> int:
     from app import outbox
-    from app.errors import DatabaseUnavailable
 
     settings = Settings()
-    try:
-        conn = await _read_connection(settings)
-    except DatabaseUnavailable as exc:
-        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
-    try:
+    async with _connection(settings) as conn:
         rows = await outbox.dead_rows(conn, args.limit)
-    finally:
-        await conn.close()
     if args.json:
         _print_json({"dead": [r.as_json() for r in rows]})
         return EXIT_OK
@@ -749,7 +723,6 @@ async def cmd_outbox_dead(args: argparse.Namespace) -> int:
 
 async def cmd_outbox_drain(args: argparse.Namespace) -> int:
     from app import outbox
-    from app.errors import DatabaseUnavailable
 
     settings = Settings()
     settings.check_email()
@@ -761,23 +734,16 @@ async def cmd_outbox_drain(args: argparse.Namespace) -> int:
 
 
 async def cmd_outbox_requeue(args: argparse.Namespace) -> int:
-    from app.errors import DatabaseUnavailable
 
     if bool(args.ids) == bool(args.all):
         return _fail("give outbox ids, or --all", EXIT_USAGE)
     from app import outbox
 
     settings = Settings()
-    try:
-        conn = await _read_connection(settings)
-    except DatabaseUnavailable as exc:
-        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
-    try:
+    async with _connection(settings) as conn:
         done = await outbox.requeue(
             conn, "all" if args.all else args.ids, retry_window=settings.outbox_retry_window
         )
-    finally:
-        await conn.close()
     if args.json:
         _print_json({"requeued": [r.as_json() for r in done]})
     else:
@@ -819,7 +785,6 @@ async def cmd_catch_up(args: argparse.Namespace) -> int:
     from app import ops
     from app.api import outcome_response
     from app.db import Database
-    from app.errors import DatabaseUnavailable
     from app.runner import Runner
 
     settings = Settings()
