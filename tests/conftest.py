@@ -26,6 +26,7 @@ from tests.support.binaries import require_binary
 from tests.support.postgres import (
     ExternalPostgres,
     PostgresServer,
+    cloned_database,
     create_database,
     drop_database,
     unique_name,
@@ -103,11 +104,8 @@ async def template_database(pg_server: PostgresServer) -> AsyncIterator[str]:
 @pytest.fixture
 async def database_url(pg_server: PostgresServer, template_database: str) -> AsyncIterator[str]:
     """A fresh, migrated database for this test only (dropped afterwards)."""
-    name = unique_name("t")
-    admin = pg_server.dsn("postgres")
-    await create_database(admin, name, template=template_database)
-    yield pg_server.dsn(name)
-    await drop_database(admin, name)
+    async with cloned_database(pg_server, template_database) as url:
+        yield url
 
 
 @pytest.fixture

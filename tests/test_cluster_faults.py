@@ -41,7 +41,7 @@ from tests.support.faults import (
     start_cluster,
     wait_ready,
 )
-from tests.support.postgres import PostgresServer, create_database, drop_database, unique_name
+from tests.support.postgres import PostgresServer, cloned_database
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -51,11 +51,8 @@ STORM = 1000
 
 @pytest.fixture(scope="module")
 async def cluster_db(pg_server: PostgresServer, template_database: str) -> AsyncIterator[str]:
-    name = unique_name("faults")
-    admin = pg_server.dsn("postgres")
-    await create_database(admin, name, template=template_database)
-    yield pg_server.dsn(name)
-    await drop_database(admin, name)
+    async with cloned_database(pg_server, template_database, "faults") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

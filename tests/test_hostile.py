@@ -25,7 +25,7 @@ from app.cluster import Cluster, Instance
 from tests.support import TEST_SECRET
 from tests.support.binaries import require_binary
 from tests.support.faults import LEAKS, reset, settle, start_cluster
-from tests.support.postgres import PostgresServer, create_database, drop_database, unique_name
+from tests.support.postgres import PostgresServer, cloned_database
 from tests.util import AUTH, effects, runs
 
 pytestmark = pytest.mark.cluster
@@ -40,11 +40,8 @@ EXAMPLES = 20
 
 @pytest.fixture(scope="module")
 async def hostile_db(pg_server: PostgresServer, template_database: str) -> AsyncIterator[str]:
-    name = unique_name("hostile")
-    admin = pg_server.dsn("postgres")
-    await create_database(admin, name, template=template_database)
-    yield pg_server.dsn(name)
-    await drop_database(admin, name)
+    async with cloned_database(pg_server, template_database, "hostile") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

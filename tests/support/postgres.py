@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from typing import NoReturn, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
@@ -106,6 +108,20 @@ async def drop_database(admin_dsn: str, name: str) -> None:
         await conn.execute(f"DROP DATABASE IF EXISTS {quote_ident(name)} WITH (FORCE)")
     finally:
         await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def cloned_database(
+    server: PostgresServer, template: str, prefix: str = "t"
+) -> AsyncIterator[str]:
+    """A fresh copy of `template` on `server` (its URL), dropped afterwards."""
+    name = unique_name(prefix)
+    admin = server.dsn("postgres")
+    await create_database(admin, name, template=template)
+    try:
+        yield server.dsn(name)
+    finally:
+        await drop_database(admin, name)
 
 
 def quote_ident(name: str) -> str:
