@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from app.jobs import JobContext, job
 
@@ -114,6 +115,22 @@ async def blocks_loop(ctx: JobContext) -> int:
 async def bad_result(ctx: JobContext) -> object:
     await record(ctx)
     return object()
+
+
+class Buggy(BaseModel):
+    """A params model with a bug: pydantic passes a RuntimeError through, unlike a ValueError."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bug(cls, data: Any) -> Any:
+        raise RuntimeError("a bug in the params model")
+
+
+@job("buggy-params", params=Buggy)
+async def buggy_params(ctx: JobContext) -> int:
+    """Never runs: validating its params raises."""
+    await record(ctx)
+    return 1
 
 
 @job("held", params=Sleep, timeout=2)

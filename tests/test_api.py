@@ -80,7 +80,14 @@ async def test_unknown_job_404_and_wrong_method_405(instance: Any, client: Any) 
     r = await post(client, instance.url + "/cron/no-such-job")
     assert r.status_code == 404
     assert r.json()["error"] == "unknown job"
-    for tricky in ("fast;DROP TABLE cron_runs", "..%2F..%2Fetc%2Fpasswd", "fast'--", "a/b/c"):
+    tricky_paths = (
+        "fast;DROP TABLE cron_runs",
+        "..%2F..%2Fetc%2Fpasswd",
+        "fast'--",
+        "a/b/c",
+        "fast/",
+    )
+    for tricky in tricky_paths:
         r = await post(client, instance.url + "/cron/" + tricky)
         assert r.status_code == 404, tricky
     r = await client.get(instance.url + "/cron/fast", headers=AUTH)
@@ -169,6 +176,24 @@ async def test_job_failure_is_500_with_run_id_and_leaves_nothing(
         assert [r["status"] for r in rows] == ["failed", "failed"]
         assert rows[0]["error"]
         assert not await lock_held(db, job)
+
+
+async def test_unexpected_error_is_500_without_a_trace(
+    instance: Any, client: Any, db: asyncpg.Connection
+) -> None:
+    # A bug in a job's params model raises before the runner is reached.
+    r = await post(client, instance.url + "/cron/buggy-params", json={})
+    assert r.status_code == 500
+    assert r.json() == {"error": "internal error"}
+    assert await runs(db, "buggy-params") == []
+    assert not await lock_held(db, "buggy-params")
+
+    async def logged() -> bool:
+        return "a bug in the params model" in instance.log()
+
+    await wait_for(logged, 5, "the error's log line")
+    # The instance goes on answering.
+    assert (await post(client, instance.url + "/cron/fast")).status_code == 200
 
 
 async def test_timeout_is_504_lock_released_nothing_persisted(
