@@ -10,6 +10,7 @@ job names; `verify_keys` checks the mirror against the server once it is reachab
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 import asyncpg
@@ -174,14 +175,26 @@ async def try_lock(
 # database, is the job's lock held right now (by anyone), and which is the newest slot that
 # already succeeded? It answers the common skips in one statement and never takes the lock
 # itself: a probe that briefly held it could make the one real attempt fail, and then nobody
-# would run the job. The statements live in the `cronlock_probe` function (migration 0004),
-# whose plans the server keeps per connection: planning them at every trigger cost more than
-# running them (bench/trigger.py). A job without a schedule has no slot to be done: the
-# ledger is not read.
-PROBE_SQL = "SELECT db_now, standby, done_slot, running FROM cronlock_probe($1, $2, $3, $4)"
+# would run the job. The statements live in the `cronlock_probe` function (migrations 0004
+# and 0005), whose plans the server keeps per connection: planning them at every trigger cost
+# more than running them (bench/trigger.py). A job without a schedule has no slot to be done:
+# the ledger is not read.
+PROBE_SQL = "SELECT db_now, standby, done_slot, running FROM cronlock_probe($1, $2, $3, $4, $5)"
 
 
-async def probe(conn: Conn, name: str, key: LockKey, *, scheduled: bool = True) -> asyncpg.Record:
-    row = await conn.fetchrow(PROBE_SQL, name, key.classid, key.objid, scheduled)
+async def probe(
+    conn: Conn,
+    name: str,
+    key: LockKey,
+    *,
+    scheduled: bool = True,
+    done_hint: datetime | None = None,
+) -> asyncpg.Record:
+    """Returns `db_now`, `standby`, `done_slot` (None without a ledger look) and `running`.
+
+    `running` is None when `done_hint` equals `done_slot`: the slot the caller expects is done
+    (if the database's clock agrees), so the lock table was not read.
+    """
+    row = await conn.fetchrow(PROBE_SQL, name, key.classid, key.objid, scheduled, done_hint)
     assert row is not None
     return row

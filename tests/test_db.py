@@ -6,6 +6,7 @@ import asyncio
 import random
 import string
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,14 @@ import asyncpg
 import httpx
 import pytest
 
-from app.db import migrations
+from app.db import Database, migrations
 from app.embedded import LocalPostgres, free_port, start_standby
 from app.errors import JobDefinitionError
-from app.jobs import Registry, load
-from app.lock import hashtextextended, lock_key
-from tests.util import AUTH, post, wait_for
+from app.jobs import Job, Registry, load
+from app.lock import hashtextextended, lock_key, probe
+from app.runner import Runner
+from app.settings import Settings
+from tests.util import AUTH, post, runs, wait_for
 
 Starter = Callable[..., Any]
 
@@ -45,6 +48,76 @@ async def test_lock_key_as_pg_locks_shows_it(db: asyncpg.Connection) -> None:
     assert row is not None
     assert (row["classid"], row["objid"], row["objsubid"]) == (key.classid, key.objid, 1)
     assert type(key).from_pg_locks(row["classid"], row["objid"]) == key
+
+
+async def test_probe_reads_the_lock_unless_the_hinted_slot_is_done(
+    db: asyncpg.Connection, database_url: str
+) -> None:
+    name, key = "yearly", lock_key("yearly", 0)
+    slot = datetime(2026, 1, 1, tzinfo=UTC)
+    other = await asyncpg.connect(database_url, statement_cache_size=0)
+    try:
+        async with other.transaction():
+            await other.execute("SELECT pg_advisory_xact_lock(hashtextextended('yearly', 0))")
+            row = await probe(db, name, key)
+            assert (row["running"], row["done_slot"], row["standby"]) == (True, None, False)
+            await db.execute(
+                """INSERT INTO cron_runs (job, slot, status, trigger, instance)
+                   VALUES ('yearly', $1, 'succeeded', 'scheduled', 'earlier')""",
+                slot,
+            )
+            # The hinted slot is done: the lock table is not read.
+            row = await probe(db, name, key, done_hint=slot)
+            assert (row["running"], row["done_slot"]) == (None, slot)
+            # A hint for another slot (an instance clock a tick off) reads it.
+            row = await probe(db, name, key, done_hint=slot + timedelta(days=365))
+            assert (row["running"], row["done_slot"]) == (True, slot)
+            # A job without a schedule: no ledger look, the lock only.
+            row = await probe(db, name, key, scheduled=False, done_hint=slot)
+            assert (row["running"], row["done_slot"]) == (True, None)
+        row = await probe(db, name, key, done_hint=slot + timedelta(days=365))
+        assert row["running"] is False
+    finally:
+        await other.close()
+
+
+class LaggingRunner(Runner):
+    """An instance whose clock is a tick behind the database's: its hint names the previous
+    slot, which is done, so the probe skips the lock table and `running` comes back NULL."""
+
+    def _done_hint(self, job: Job) -> datetime | None:
+        hint = super()._done_hint(job)
+        return hint - timedelta(minutes=1) if hint is not None else None
+
+
+async def test_a_wrong_hint_costs_speed_never_a_decision(
+    make_settings: Callable[..., Settings], db: asyncpg.Connection, database_url: str
+) -> None:
+    settings = make_settings()
+    registry = load(settings.job_modules)
+    job = registry["minutely"]
+    await db.execute(
+        """INSERT INTO cron_runs (job, slot, status, trigger, instance)
+           VALUES ('minutely', date_trunc('minute', now()) - interval '1 minute',
+                   'succeeded', 'scheduled', 'earlier')"""
+    )
+    database = Database(settings)
+    await database.open()
+    other = await asyncpg.connect(database_url, statement_cache_size=0)
+    try:
+        runner = LaggingRunner(settings, registry, database)
+        async with other.transaction():
+            await other.execute("SELECT pg_advisory_xact_lock(hashtextextended('minutely', 0))")
+            held = await runner.trigger(job)
+            assert (held.kind, held.reason) == ("skipped", "already running")
+        ran = await runner.trigger(job)
+        assert ran.kind == "succeeded"
+        again = await runner.trigger(job)
+        assert (again.kind, again.reason, again.slot) == ("skipped", "already done", ran.slot)
+    finally:
+        await other.close()
+        await database.close()
+    assert [r["status"] for r in await runs(db, "minutely")] == ["succeeded", "succeeded"]
 
 
 def test_colliding_lock_keys_refuse_to_start() -> None:
