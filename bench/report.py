@@ -71,7 +71,8 @@ FINDINGS = """
 ## What the figures say
 
 **Trigger path.** A skip started at about a third of a `SELECT 1`'s throughput. Profiling
-the instance under load found, in order of cost, and fixed without weakening a guarantee:
+the instance under load (py-spy, and CPU time per request from /proc) found, in order of
+cost, and fixed without weakening a guarantee:
 
 1. The route dependencies (runner, settings, database) were plain `def`s: FastAPI runs those
    in a worker thread, two thread hand-offs per trigger. Now `async def` (`app/deps.py`).
@@ -80,30 +81,47 @@ the instance under load found, in order of cost, and fixed without weakening a g
    were planned at every trigger. The probe is now the `cronlock_probe` PL/pgSQL function
    (migration 0004), whose plans the server keeps per connection, invisible to PgBouncer.
    A job without a schedule skips the ledger lookup (it has no slot to be done).
-3. Logging: one JSON line per trigger is the contract and the figures above keep it
+3. The framework around the handler: FastAPI matched the router's routes one regex at a
+   time (one per job: the bench registers 25) and wrapped each route in its exception,
+   body-limit and request layers, about as much CPU as the skip's own work. `POST
+   /cron/<job>` is now handed to its handler by a small ASGI dispatcher inside the
+   authentication middleware (`TriggerDispatch` in `app/api.py`); the per-job routes stay
+   for the OpenAPI document and answer whatever the dispatcher passes on. (b) is left an
+   ordinary FastAPI route, as an application's own endpoint would be.
+4. Garbage collection: a full collection walked every object the app made at start-up
+   (about 70,000) and stalled requests for 40-60 ms, a few times a minute under load: the
+   p99 and p99.9 of every path. The start-up objects are now frozen out of the collector
+   (`gc.freeze()` in the lifespan).
+5. The `pg_locks` scan, the probe's dearest part on the server (every lock partition and
+   every backend's fast-path slots): skipped when the ledger already shows as done the slot
+   the instance's clock expects (migration 0005). That is a hint, never a decision: the
+   answer "already done" is still taken against the database's clock, and a wrong hint only
+   sends the trigger on to the real attempt (`test_a_wrong_hint_costs_speed_never_a_decision`).
+6. Logging: one JSON line per trigger is the contract and the figures above keep it
    (`LOG_SKIPS=true`, the default). A line costs about 18 µs of CPU, a few per cent of a
    skip; `LOG_SKIPS=false` sends routine skips to DEBUG (still counted in
    `cronlock_skips_total`) for storms that would flood the logs.
 
-What remains between a skip and `SELECT 1`: the probe still reads `pg_lock_status()`
-(every lock partition and every backend's fast-path slots) where `SELECT 1` reads nothing;
-FastAPI matches routes one after another, so each registered job adds to every trigger's
-routing (the bench registers 25 jobs); and the trigger handler does more (body, query
-validation, outcome, metrics). The CPU time per request (column "CPU µs/req") is the figure
-least disturbed by other load on the machine. Not done, proposed: skip the `pg_locks` scan
-when the ledger already answers "already done" (the database's clock decides, a hint from
-the previous probe only says when to look); one dispatcher route for all jobs; or
-`DB_STATEMENT_CACHE_SIZE` > 0 where no PgBouncer older than 1.21 sits in between.
+What remains of a skip's cost is one database round trip's worth: the probe statement (two
+round trips with no statement cache, like `SELECT 1`), plus reading the body and writing the
+log line and the metrics. "Already running" still reads `pg_lock_status()` on the server,
+which `SELECT 1` does not. The CPU time per request (column "CPU µs/req") is the figure
+least disturbed by other load on the machine. Not done: `DB_STATEMENT_CACHE_SIZE` > 0
+(one round trip instead of two, for `SELECT 1` as much as for the probe) where no PgBouncer
+older than 1.21 sits in between.
 
 **Digest.** The HTTP run is the floor's speed: one statement, no rows in Python (peak RSS
-does not move). Per user it is dominated by index maintenance, which the loop pays too:
-the update of `last_digest_at` cannot be HOT (it is indexed by `users_digest_due`), so each
-user costs three index entries on `users` and four on `email_outbox` (including the text
-`idempotency_key`). Against the loop as cronlock's pool would run it (no statement cache,
-four round trips per user) the set-based run is 20 x faster or more; against one with prepared
-statements (two round trips per user) the margin is thin, near 20 x and on either side of it
-from run to run: the loop's extra cost is only its round trips, and the floor itself is
-index-bound.
+does not move). Per user the cost is PostgreSQL's own writing: a new version of the user row
+(the update cannot be HOT: `last_digest_at` is indexed by `users_digest_due`) and a new
+outbox row, their index entries (three on `users`, four on `email_outbox`) and the WAL for
+all of it. Dropping `users_digest_due` and the `idempotency_key` uniqueness saved only about
+12 % in a trial on 300,000 users, so both stay. Which loop is the article's: it runs Prisma
+behind PgBouncer in transaction mode, where (before PgBouncer 1.21) `pgbouncer=true` turns
+Prisma's prepared statements off: that is the loop with no statement cache, as cronlock's pool
+would run it, and the set-based run is 20 x faster or more than it in every run so far.
+Against a loop with prepared statements (two round trips per user, the best a per-user loop
+can do) the margin is thin, 16 to 24 x from run to run: that loop's extra cost is only its
+round trips, which the machine's load moves a lot (its µs per user above).
 
 **Storm.** One run, every other answer a skip: the in-process short-circuit answers all but
 one trigger per instance without the database; the skip latency is the time to get through
