@@ -74,7 +74,6 @@ SELECT set_config('idle_in_transaction_session_timeout', $3, true),
        pg_try_advisory_xact_lock(hashtextextended($1, $2)) AS locked,
        now() AS db_now
 """
-CATCH_UP_INTERVAL = 60.0
 
 # Locks cronlock takes that are not jobs, so `locks` can name them too.
 INTERNAL_LOCKS = {"cronlock:migrate": "(migrations)"}
@@ -457,11 +456,10 @@ async def catch_up(runner: Runner) -> list[Outcome]:
     return outcomes
 
 
-async def catch_up_loop(
-    runner: Runner, stop: asyncio.Event, interval: float = CATCH_UP_INTERVAL
-) -> None:
+async def catch_up_loop(runner: Runner, stop: asyncio.Event) -> None:
     """`catch_up` in the background of a service instance: as soon as the database is ready,
-    then every `interval` seconds."""
+    then every CATCH_UP_INTERVAL seconds."""
+    interval = runner.settings.catch_up_interval
     while not stop.is_set():
         if runner.db.migrated:
             try:

@@ -67,6 +67,8 @@ class Settings(BaseSettings):
     cron_allow_get: bool = False
     max_body_bytes: int = Field(default=65536, ge=0)
     backfill_window: float = Field(default=7 * 86400.0, ge=0)
+    # How often an instance looks for missed slots of jobs with `catch_up=True`.
+    catch_up_interval: float = Field(default=60.0, gt=0)
     ledger_retention_days: float = Field(default=90.0, gt=0)
     # uvicorn waits for ever for running requests by default; a job in flight at SIGTERM
     # gets this long, then is cancelled and rolled back.

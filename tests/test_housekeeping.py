@@ -96,7 +96,7 @@ async def test_ledger_prune_keeps_the_retention_and_closes_abandoned_rows(
 async def test_a_missed_slot_is_caught_up_once_across_instances(
     start_instance: Starter, db: asyncpg.Connection
 ) -> None:
-    env = {"CRON_JOBS": "tests.jobs,tests.catchup_jobs"}
+    env = {"CRON_JOBS": "tests.jobs,tests.catchup_jobs", "CATCH_UP_INTERVAL": "0.5"}
     instances = [start_instance(f"c{n}", env) for n in range(3)]
 
     async def caught_up() -> bool:
@@ -110,6 +110,14 @@ async def test_a_missed_slot_is_caught_up_once_across_instances(
     assert row["instance"] in {i.name for i in instances}
     assert row["result"] == "backfill"
     assert await effects(db, "catch-up-daily") == 1
+
+    # The instances keep looking, every CATCH_UP_INTERVAL: a slot whose attempt is gone from
+    # the ledger (deleted by hand) is missed again, and made up once more.
+    await db.execute("DELETE FROM cron_runs WHERE job = 'catch-up-daily'")
+    await wait_for(caught_up, 5, "the slot to be caught up again")
+    await asyncio.sleep(1.5)
+    assert len(await runs(db, "catch-up-daily")) == 1
+    assert await effects(db, "catch-up-daily") == 2
     # Jobs that did not opt in stay overdue and are never replayed.
     assert await runs(db, "yearly") == []
 
