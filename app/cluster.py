@@ -209,6 +209,13 @@ class Service:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signum)
 
+    def freeze(self) -> None:
+        """SIGSTOP: the process keeps its sockets (and connections) open but does nothing."""
+        self.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
+
     def wait_exit(self, timeout: float) -> int:
         """The exit code, once the process exits; TimeoutError if it runs past `timeout`."""
         if self.process is None:
@@ -571,13 +578,6 @@ class Instance(Service):
             return False
         finally:
             connection.close()
-
-    def freeze(self) -> None:
-        """SIGSTOP: the process keeps its sockets and database connections but does nothing."""
-        self.signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        self.signal(signal.SIGCONT)
 
 
 # --- the whole cluster ----------------------------------------------------------------------

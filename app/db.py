@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -65,6 +65,44 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, asyncpg.PostgresError):
         return f"database error {exc.sqlstate}"
     return type(exc).__name__
+
+
+def terminate(conn: Conn) -> None:
+    """Close a connection's socket now, without the cancel request asyncpg sends when a task
+    awaiting a query is cancelled (PgBouncer before 1.21 can crash on those, see the README).
+    The server ends the session's transaction as soon as it sees the socket closed. A
+    connection the server already dropped is closed already (asyncpg then detaches it from
+    its pool proxy, which would make `terminate` raise)."""
+    with contextlib.suppress(asyncpg.InterfaceError):
+        conn.terminate()
+
+
+@contextlib.contextmanager
+def deadline(conn: Conn, seconds: float) -> Iterator[None]:
+    """Bound a block of statements on `conn`: past `seconds` the connection is closed and the
+    block fails with DatabaseUnavailable. The server's own timeouts cannot help when it, or a
+    pooler in between, stops answering with the socket still open (a frozen process, a
+    network that drops packets): the request would wait for ever. A block that overran is a
+    failure even if its last statement came back meanwhile: the connection is gone."""
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        terminate(conn)
+
+    handle = asyncio.get_running_loop().call_later(seconds, expire)
+    reason = f"no answer from the database within {seconds:g} s"
+    try:
+        yield
+    except Exception as exc:
+        if expired:
+            raise DatabaseUnavailable(reason) from exc
+        raise
+    finally:
+        handle.cancel()
+    if expired:
+        raise DatabaseUnavailable(reason)
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -247,9 +285,14 @@ class Database:
 
     async def acquire(self) -> asyncpg.pool.PoolConnectionProxy:
         """A pooled connection within the acquire timeout, or DatabaseUnavailable."""
+        pool = self.pool
         try:
-            conn = await self.pool.acquire(timeout=self.settings.db_acquire_timeout)
+            conn = await pool.acquire(timeout=self.settings.db_acquire_timeout)
         except TimeoutError as exc:
+            # The pool's timeout covers opening a connection too: with one free, the wait
+            # was for a database (or pooler) that accepts connections but does not answer.
+            if pool.get_size() - pool.get_idle_size() < pool.get_max_size():
+                raise DatabaseUnavailable("database unreachable: connecting timed out") from exc
             raise DatabaseUnavailable("no database connection free (pool exhausted)") from exc
         except CONNECTION_ERRORS as exc:
             raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
@@ -258,12 +301,20 @@ class Database:
         return conn
 
     @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """A pooled connection for one short statement, with the acquire timeout (the pool's
-        own `fetch` helpers would wait for ever when long jobs hold every connection)."""
+    async def connection(
+        self, *, bounded: bool = True
+    ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A pooled connection for a few short statements, with the acquire timeout (the
+        pool's own `fetch` helpers would wait for ever when long jobs hold every connection)
+        and, unless `bounded=False` (a block something else bounds, such as a job run inside
+        it), DB_QUERY_TIMEOUT for the whole block (see `deadline`)."""
         conn = await self.acquire()
         try:
-            yield conn
+            if bounded:
+                with deadline(conn, self.settings.db_query_timeout):
+                    yield conn
+            else:
+                yield conn
         finally:
             await self.release(conn)
 
@@ -281,10 +332,13 @@ class Database:
             self.problem = exc.reason
             return self.problem
         try:
-            self.standby = bool(await conn.fetchval("SELECT pg_is_in_recovery()"))
+            # Migrations are not bounded: one may rightly take long (an index on a big table).
+            with deadline(conn, self.settings.db_query_timeout):
+                self.standby = bool(await conn.fetchval("SELECT pg_is_in_recovery()"))
             if apply_migrations and not self.standby and not self.migrated:
                 await migrate(conn)
-            pending = await pending_migrations(conn)
+            with deadline(conn, self.settings.db_query_timeout):
+                pending = await pending_migrations(conn)
             self.migrated = not pending
             if self.standby:
                 self.problem = (
@@ -295,6 +349,8 @@ class Database:
                 self.problem = f"migrations not applied: {pending}"
             else:
                 self.problem = None
+        except DatabaseUnavailable as exc:
+            self.problem = exc.reason
         except CONNECTION_ERRORS as exc:
             self.problem = f"database unreachable: {describe(exc)}"
         except asyncpg.PostgresError as exc:

@@ -29,7 +29,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, PlainSerializer
 
 from app import ledger, outbox
-from app.db import CONNECTION_ERRORS, Conn, Database, describe
+from app.db import CONNECTION_ERRORS, Conn, describe
 from app.deps import DatabaseDep, RegistryDep, RunnerDep, SettingsDep, error
 from app.errors import DatabaseUnavailable, InvalidTrigger
 from app.jobs import Job, Registry
@@ -372,15 +372,6 @@ async def reading(conn: Conn) -> AsyncIterator[Conn]:
         raise DatabaseUnavailable(f"database error: {describe(exc)}") from exc
 
 
-@contextlib.asynccontextmanager
-async def pooled(db: Database) -> AsyncIterator[Conn]:
-    conn = await db.acquire()
-    try:
-        yield conn
-    finally:
-        await db.release(conn)
-
-
 # --- cancel ---------------------------------------------------------------------------------
 
 
@@ -426,7 +417,7 @@ async def catch_up(runner: Runner) -> list[Outcome]:
     outcomes: list[Outcome] = []
     longest = max(j.timeout for j in chosen) + settings.db_timeout_margin
     try:
-        async with pooled(db) as conn, conn.transaction():
+        async with db.connection(bounded=False) as conn, conn.transaction():
             row = await conn.fetchrow(
                 CATCH_UP_LOCK_SQL,
                 CATCH_UP_LOCK,
@@ -498,7 +489,7 @@ async def get_jobs(db: DatabaseDep, registry: RegistryDep, settings: SettingsDep
     """Every registered job: schedule, current and next slot, last run, running now (from
     pg_locks) and where, and whether it is overdue."""
     try:
-        async with pooled(db) as conn:
+        async with db.connection() as conn:
             await sweep(conn, settings)
             async with reading(conn):
                 return await jobs(conn, registry)
@@ -520,7 +511,7 @@ async def get_runs(
 ) -> Any:
     """Run history, newest first, one page at a time."""
     try:
-        async with pooled(db) as conn:
+        async with db.connection() as conn:
             await sweep(conn, settings, job)
             async with reading(conn):
                 return await runs(
@@ -543,7 +534,7 @@ async def get_run(
 ) -> Any:
     """One run; poll it to follow a run started with `wait=false`."""
     try:
-        async with pooled(db) as conn:
+        async with db.connection() as conn:
             async with reading(conn):
                 found = await run(conn, registry, run_id)
             # A running row without its lock: the instance may have died. Settle it, look again.
@@ -563,7 +554,7 @@ async def get_locks(db: DatabaseDep, registry: RegistryDep) -> Any:
     """Advisory locks held in this database (pg_locks joined to pg_stat_activity), each mapped
     to its job, with the holding instance, its state and how long it has held the lock."""
     try:
-        async with pooled(db) as conn, reading(conn):
+        async with db.connection() as conn, reading(conn):
             return LocksView(locks=await locks(conn, registry))
     except DatabaseUnavailable as exc:
         return error(503, "database unavailable", reason=exc.reason)
@@ -581,7 +572,7 @@ async def get_metrics(runner: RunnerDep, db: DatabaseDep, registry: RegistryDep)
     if metrics is None:
         return error(404, "metrics are not enabled")
     try:
-        async with pooled(db) as conn, reading(conn):
+        async with db.connection() as conn, reading(conn):
             now: datetime = await conn.fetchval(NOW_SQL)
             succeeded = await ledger.last_succeeded_slots(conn, list(registry))
             overdue = {

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import asyncpg
 
 from app import ledger
-from app.db import CONNECTION_ERRORS, Conn, Database, describe
+from app.db import CONNECTION_ERRORS, Conn, Database, deadline, describe, terminate
 from app.errors import DatabaseUnavailable, InvalidTrigger
 from app.jobs import Job, JobContext, Registry, Trigger
 from app.lock import LockKey, lock_key, probe, try_lock, verify_keys
@@ -32,7 +32,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cronlock.run")
 
-COMMIT_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
+# DatabaseUnavailable: the commit overran DB_QUERY_TIMEOUT (see `deadline`).
+COMMIT_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError,
+    DatabaseUnavailable,
+    *CONNECTION_ERRORS,
+)
 
 STANDBY_REASON = (
     "database is a standby: advisory locks there do not coordinate with the primary, "
@@ -151,17 +156,18 @@ class Runner:
         assert self.probe_keys is not None
         conn = await self.db.acquire()
         try:
-            if not self._keys_checked:
-                await self._check_keys(conn)
-                if self.probe_keys is None:
-                    return None
-            row = await probe(
-                conn,
-                job.name,
-                self.probe_keys[job.name],
-                scheduled=job.schedule is not None,
-                done_hint=self._done_hint(job),
-            )
+            with deadline(conn, self.settings.db_query_timeout):
+                if not self._keys_checked:
+                    await self._check_keys(conn)
+                    if self.probe_keys is None:
+                        return None
+                row = await probe(
+                    conn,
+                    job.name,
+                    self.probe_keys[job.name],
+                    scheduled=job.schedule is not None,
+                    done_hint=self._done_hint(job),
+                )
         except CONNECTION_ERRORS as exc:
             raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
         except asyncpg.PostgresError as exc:
@@ -224,23 +230,24 @@ class Runner:
         tx: asyncpg.transaction.Transaction | None = None
         handed_over = False
         try:
-            tx = conn.transaction()
-            await tx.start()
-            row = await try_lock(
-                conn,
-                job.name,
-                self.settings.lock_namespace,
-                db_timeout=job.timeout + self.settings.db_timeout_margin,
-                client_check_interval=self.settings.db_client_check_interval,
-                server_version=self.db.server_version,
-            )
-            if row["standby"]:
-                self.db.standby, self.db.migrated = True, False
-                raise DatabaseUnavailable(STANDBY_REASON)
-            if not row["locked"]:
-                return self._skip(job, "already running", None, trigger, source)
-            now: datetime = row["db_now"]
-            skip, slot = await self._slot(conn, job, trigger, backfill, now)
+            with deadline(conn, self.settings.db_query_timeout):
+                tx = conn.transaction()
+                await tx.start()
+                row = await try_lock(
+                    conn,
+                    job.name,
+                    self.settings.lock_namespace,
+                    db_timeout=job.timeout + self.settings.db_timeout_margin,
+                    client_check_interval=self.settings.db_client_check_interval,
+                    server_version=self.db.server_version,
+                )
+                if row["standby"]:
+                    self.db.standby, self.db.migrated = True, False
+                    raise DatabaseUnavailable(STANDBY_REASON)
+                if not row["locked"]:
+                    return self._skip(job, "already running", None, trigger, source)
+                now: datetime = row["db_now"]
+                skip, slot = await self._slot(conn, job, trigger, backfill, now)
             if skip is not None:
                 return self._skip(job, skip, slot, trigger, source)
             async with self.db.connection() as other:
@@ -350,27 +357,30 @@ class Runner:
 
     async def _commit(self, lease: _Lease, result: Any, source: str) -> Outcome:
         try:
-            duration = await ledger.succeed(lease.conn, lease.ctx.run_id, result)
-            await lease.tx.commit()
+            with deadline(lease.conn, self.settings.db_query_timeout):
+                duration = await ledger.succeed(lease.conn, lease.ctx.run_id, result)
+                await lease.tx.commit()
         except COMMIT_ERRORS as exc:
             # Whether the commit landed is unknown when the connection broke during it: the
             # conditional update in `ledger.finish` leaves a succeeded row alone.
-            await self._rollback(lease, "failed", f"commit failed: {describe(exc)}")
-            return self._outcome(lease, "failed", source, reason=describe(exc))
+            reason = exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc)
+            await self._rollback(lease, "failed", f"commit failed: {reason}")
+            return self._outcome(lease, "failed", source, reason=reason)
         return self._outcome(lease, "succeeded", source, processed=result, duration=duration)
 
     async def _rollback(self, lease: _Lease, status: str, error: str) -> None:
         try:
-            await lease.tx.rollback()
+            with deadline(lease.conn, self.settings.db_query_timeout):
+                await lease.tx.rollback()
         except Exception:  # the connection is gone: the server rolled back for us
-            _terminate(lease.conn)
+            terminate(lease.conn)
         await self._record(lease.ctx.run_id, status, error)
 
     async def _abort(self, lease: _Lease, task: asyncio.Task[Any], status: str, error: str) -> None:
         # Closing the socket ends the transaction server-side at once (and, with
         # client_connection_check_interval, even a statement that is still running), without
         # the cancel request that asyncpg would send through PgBouncer on task cancellation.
-        _terminate(lease.conn)
+        terminate(lease.conn)
         task.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.wait({task}, timeout=1.0)
@@ -378,9 +388,8 @@ class Runner:
 
     async def _record(self, run_id: int, status: str, error: str) -> None:
         try:
-            async with asyncio.timeout(self.settings.db_acquire_timeout + 5.0):
-                async with self.db.connection() as conn:
-                    await ledger.finish(conn, run_id, status, error)
+            async with self.db.connection() as conn:
+                await ledger.finish(conn, run_id, status, error)
         except Exception as exc:
             # The row stays `running` and is closed as `abandoned` once its lock is seen gone.
             log.warning("could not record run %s as %s: %s", run_id, status, describe(exc))
@@ -451,9 +460,10 @@ class Runner:
     ) -> None:
         if tx is not None:
             try:
-                await tx.rollback()
+                with deadline(conn, self.settings.db_query_timeout):
+                    await tx.rollback()
             except Exception:
-                _terminate(conn)
+                terminate(conn)
         await self.db.release(conn)
 
     async def shutdown(self, grace: float) -> None:
@@ -469,13 +479,6 @@ class Runner:
         # graceful-shutdown timeout, just before the lifespan got here: they are still rolling
         # back and recording `cancelled`, which needs the pool (else their rows stay `running`
         # until swept as `abandoned`).
-        deadline = time.monotonic() + 5.0
-        while self.local and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a dict
+        until = time.monotonic() + 5.0
+        while self.local and time.monotonic() < until:  # noqa: ASYNC110 - polls a dict
             await asyncio.sleep(0.05)
-
-
-def _terminate(conn: Conn) -> None:
-    """Close a connection's socket; one the server already dropped is closed already (asyncpg
-    then detaches it from its pool proxy, which would make `terminate` raise)."""
-    with contextlib.suppress(asyncpg.InterfaceError):
-        conn.terminate()

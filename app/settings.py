@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     db_pool_max_size: int = Field(default=10, ge=2)
     db_acquire_timeout: float = Field(default=2.0, gt=0)
     db_connect_timeout: float = Field(default=5.0, gt=0)
+    # cronlock's own statements around a run (probe, lock, ledger, commit) and the read
+    # routes: past this the connection is closed and the answer is 503, for a database or
+    # pooler that stops answering without closing the socket. Not the job's statements.
+    db_query_timeout: float = Field(default=10.0, gt=0)
     # PgBouncer < 1.21 cannot route prepared statements: keep 0 unless connecting directly.
     db_statement_cache_size: int = Field(default=0, ge=0)
     # Database-side timeouts are the job's timeout plus this margin, so the service's own

@@ -26,6 +26,7 @@ from app.embedded import LocalPostgres, start_standby
 from tests.support.binaries import require_binary
 from tests.support.faults import (
     CLUSTER_ENV,
+    DB_QUERY_TIMEOUT,
     assert_clean_error,
     check_books,
     heal,
@@ -253,6 +254,35 @@ async def test_pgbouncer_restarted(
         statuses = await settled_ledger(client, cluster, db, "slow-sql")
         assert len(statuses) == 1
         assert statuses[0] in {"failed", "abandoned", "timed_out"}, statuses
+        await check_books(db, recovered)
+        await settle(db, cluster)
+
+
+async def test_pgbouncer_frozen_answers_503_not_never(
+    cluster: Cluster, postgres: LocalPostgres, client: httpx.AsyncClient
+) -> None:
+    """A pooler that stops answering with its sockets open (SIGSTOP): no error ever reaches
+    the instances on their own, only DB_QUERY_TIMEOUT ends their waits."""
+    assert cluster.pgbouncer is not None
+    pids = [i.pid for i in cluster.instances]
+    for instance in cluster.instances:  # every pool holds an idle connection to the pooler
+        assert (await post(client, instance.url + "/cron/fast")).status_code == 200
+    cluster.pgbouncer.freeze()
+    try:
+        for instance in cluster.instances:
+            answer, took = await timed(post(client, instance.url + "/cron/fast"))
+            body = assert_clean_error(answer, (503,))
+            # An idle pooled connection waits DB_QUERY_TIMEOUT; a new one, the acquire timeout.
+            assert body["reason"] in (
+                f"no answer from the database within {DB_QUERY_TIMEOUT:g} s",
+                "database unreachable: connecting timed out",
+            ), body
+            assert took < DB_QUERY_TIMEOUT + 2, f"{instance.name}: 503 after {took:.1f}s"
+        await assert_unavailable(client, cluster)
+    finally:
+        cluster.pgbouncer.thaw()
+    async with observe(postgres) as db:
+        recovered = await assert_recovers(client, cluster, pids)
         await check_books(db, recovered)
         await settle(db, cluster)
 

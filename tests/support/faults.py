@@ -29,11 +29,13 @@ CLUSTER_ENV = {
     "OUTBOX_ENABLED": "false",
     "DB_TIMEOUT_MARGIN": "1",
     "DB_ACQUIRE_TIMEOUT": "2",
+    "DB_QUERY_TIMEOUT": "3",
     "MIGRATE_RETRY_INTERVAL": "0.5",
     "GRACEFUL_SHUTDOWN_TIMEOUT": "3",
     "LOG_FORMAT": "text",
 }
 DB_TIMEOUT_MARGIN = float(CLUSTER_ENV["DB_TIMEOUT_MARGIN"])
+DB_QUERY_TIMEOUT = float(CLUSTER_ENV["DB_QUERY_TIMEOUT"])
 GRACEFUL_SHUTDOWN_TIMEOUT = float(CLUSTER_ENV["GRACEFUL_SHUTDOWN_TIMEOUT"])
 # What would mean an answer leaked internals: a stack trace, the driver, a DSN, the secret.
 LEAKS = ("Traceback", 'File "', "asyncpg", "postgresql://", TEST_SECRET)
@@ -84,6 +86,7 @@ def heal(cluster: Cluster) -> None:
     are never brought back: one that died fails the test with its log."""
     assert cluster.pgbouncer is not None
     assert cluster.nginx is not None
+    cluster.pgbouncer.thaw()
     cluster.pgbouncer.check_alive()
     cluster.nginx.check_alive()
     for instance in cluster.instances:
