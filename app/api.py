@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app import ops
+from app.auth import route_path
 from app.deps import DatabaseDep, SettingsDep, error
 from app.errors import DatabaseUnavailable, InvalidTrigger
 from app.jobs import Job, Registry
@@ -161,7 +162,7 @@ class TriggerDispatch:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] in self.methods:
-            path: str = scope["path"]
+            path = route_path(scope)
             if path.startswith("/cron/"):
                 handler = self.handlers.get(path[6:])
                 if handler is not None:

@@ -1,7 +1,8 @@
 """Bearer authentication, checked before routing (an ASGI middleware), in constant time.
 
 Checking before routing means an unauthenticated caller learns nothing, not even which jobs
-exist: every `/cron/` path and the OpenAPI document answer 401 first.
+exist: every `/cron/` path and the OpenAPI document answer 401 first. Fail closed: only the
+health checks are open; any other path, known or not, needs a token.
 """
 
 from __future__ import annotations
@@ -23,21 +24,34 @@ class Access(Enum):
     OPEN = "open"  # health checks
 
 
+OPEN_PATHS = ("/healthz", "/readyz")
 READ_PATHS = ("/cron/jobs", "/cron/runs", "/cron/locks", "/openapi.json", "/docs", "/redoc")
 
 
 def required_access(method: str, path: str) -> Access:
+    """What a request needs, by its route path (see `route_path`)."""
+    if path in OPEN_PATHS:
+        return Access.OPEN
     if path == "/metrics":
         return Access.METRICS
-    if path.startswith("/bench/"):
-        return Access.RUN
-    if path.startswith("/cron/") or path == "/cron":
-        if method in ("GET", "HEAD") and (path in READ_PATHS or path.startswith("/cron/runs/")):
-            return Access.READ
-        return Access.RUN
-    if path in READ_PATHS or path.startswith("/docs/"):
+    if method in ("GET", "HEAD") and (
+        path in READ_PATHS or path.startswith(("/cron/runs/", "/docs/"))
+    ):
         return Access.READ
-    return Access.OPEN
+    return Access.RUN
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app routes on: without the `root_path` the server was started with
+    (`uvicorn --root-path`), which ASGI servers put in front of `path`; as Starlette's router
+    strips it. Checking the raw path instead would let `/prefix/cron/<job>` reach a job."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
 
 
 def bearer_token(header: bytes | None) -> bytes | None:
@@ -82,7 +96,7 @@ class BearerAuth:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        access = required_access(scope["method"], scope["path"])
+        access = required_access(scope["method"], route_path(scope))
         if access is not Access.OPEN:
             header = None
             for name, value in scope["headers"]:

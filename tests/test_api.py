@@ -59,6 +59,19 @@ async def test_non_ascii_token_is_401_not_500(instance: Any, client: Any) -> Non
     assert r.status_code == 401
 
 
+async def test_auth_holds_behind_a_root_path(start_instance: Starter, client: Any) -> None:
+    # Behind a proxy that strips a path prefix, uvicorn --root-path puts the prefix back in
+    # front of every path it hands the app; the app routes on what follows it.
+    i = start_instance("rooted", {"UVICORN_ROOT_PATH": "/api"})
+    for method, path in (("POST", "/cron/fast"), ("GET", "/cron/jobs"), ("GET", "/nope")):
+        r = await client.request(method, i.url + path)
+        assert r.status_code == 401, (method, path, r.text)
+    assert (await client.get(i.url + "/healthz")).status_code == 200
+    r = await post(client, i.url + "/cron/fast")
+    assert r.status_code == 200
+    assert r.json()["processed"] == 1
+
+
 async def test_token_in_query_string_is_ignored(instance: Any, client: Any) -> None:
     r = await client.post(
         instance.url + "/cron/fast", params={"token": TEST_SECRET, "access_token": TEST_SECRET}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.auth import Access, bearer_token, matches, required_access
+from app.auth import Access, bearer_token, matches, required_access, route_path
 
 SECRET = b"s" * 40
 
@@ -59,7 +59,27 @@ def test_matches_any_candidate_and_nothing_else() -> None:
         ("GET", "/readyz", Access.OPEN),
         ("GET", "/cron", Access.RUN),
         ("GET", "/cron/../openapi.json", Access.RUN),
+        # Fail closed: whatever is not known to be open needs the secret.
+        ("GET", "/", Access.RUN),
+        ("GET", "/no-such-path", Access.RUN),
+        ("GET", "/api/cron/jobs", Access.RUN),
+        ("POST", "/healthz/", Access.RUN),
+        ("POST", "/metrics", Access.METRICS),
     ],
 )
 def test_required_access(method: str, path: str, access: Access) -> None:
     assert required_access(method, path) is access
+
+
+@pytest.mark.parametrize(
+    ("path", "root_path", "routed"),
+    [
+        ("/cron/fast", "", "/cron/fast"),
+        ("/api/cron/fast", "/api", "/cron/fast"),
+        ("/api", "/api", ""),
+        ("/apix/cron/fast", "/api", "/apix/cron/fast"),
+        ("/cron/fast", "/api", "/cron/fast"),
+    ],
+)
+def test_route_path_drops_the_root_path(path: str, root_path: str, routed: str) -> None:
+    assert route_path({"type": "http", "path": path, "root_path": root_path}) == routed
