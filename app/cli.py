@@ -418,15 +418,27 @@ def _seconds(value: float | None) -> str | None:
 
 
 @contextlib.asynccontextmanager
-async def _connection(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
-    """A direct connection for one command; DatabaseUnavailable becomes exit code 3 in main."""
-    from app.db import connect
+async def _connection(
+    settings: Settings, *, bounded: bool = True
+) -> AsyncIterator[asyncpg.Connection]:
+    """A direct connection for one command; DatabaseUnavailable becomes exit code 3 in main.
+    `bounded`: the command's statements together get DB_QUERY_TIMEOUT, as the service's read
+    routes do, so a database or pooler that stops answering ends the command instead of
+    hanging it; a command that waits on purpose bounds its own steps (`cancel`)."""
+    from app.db import connect, deadline
 
     conn = await connect(settings)
     try:
-        yield conn
+        if bounded:
+            with deadline(conn, settings.db_query_timeout):
+                yield conn
+        else:
+            yield conn
     finally:
-        await conn.close()
+        # A frozen server never answers the goodbye either: past the timeout the socket is
+        # simply closed (a connection the deadline closed is closed already).
+        with contextlib.suppress(Exception):
+            await conn.close(timeout=settings.db_connect_timeout)
 
 
 async def cmd_jobs(args: argparse.Namespace) -> int:
@@ -626,6 +638,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     import time
 
     from app import ops
+    from app.db import deadline
 
     settings = Settings()
     registry = _load_registry(settings)
@@ -633,31 +646,37 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         return _fail(f"unknown job {args.job!r}; known: {', '.join(registry)}", EXIT_USAGE)
 
     async def holder(conn: Any) -> Any:
-        async with ops.reading(conn):
-            found = await ops.locks(conn, registry)
+        with deadline(conn, settings.db_query_timeout):
+            async with ops.reading(conn):
+                found = await ops.locks(conn, registry)
         return next((lk for lk in found if lk.job == args.job and lk.granted), None)
 
-    async with _connection(settings) as conn:
+    async def signal(conn: Any, pid: int, *, terminate: bool) -> bool:
+        with deadline(conn, settings.db_query_timeout):
+            return await ops.signal_holder(conn, pid, terminate=terminate)
+
+    # Waits up to --wait on purpose: each step is bounded instead of the whole command.
+    async with _connection(settings, bounded=False) as conn:
         first = await holder(conn)
         if first is None:
             return _fail(f"{args.job} is not running", EXIT_FAILED)
-        deadline = time.monotonic() + args.wait
+        give_up_at = time.monotonic() + args.wait
         signalled = released = False
         current = first
         while True:
             # A cancel reaches only a statement in progress; between statements (idle in
             # transaction) it is ignored, so it is sent whenever one is running.
             if args.terminate and not signalled:
-                signalled = await ops.signal_holder(conn, first.pid, terminate=True)
+                signalled = await signal(conn, first.pid, terminate=True)
             elif not args.terminate and current.state == "active":
-                signalled = await ops.signal_holder(conn, first.pid, terminate=False) or signalled
+                signalled = await signal(conn, first.pid, terminate=False) or signalled
             await asyncio.sleep(0.1)
             current = await holder(conn)
             # Released, or already held by a newer run (a pooled backend may be reused at once).
             if current is None or (current.pid, current.run_id) != (first.pid, first.run_id):
                 released = True
                 break
-            if time.monotonic() > deadline:
+            if time.monotonic() > give_up_at:
                 break
         run = None
         if first.run_id is not None and released:
@@ -666,12 +685,14 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
             # `abandoned`, corrected by the runner later) once its lock is seen gone.
             settle = time.monotonic() + 5.0
             while True:
-                async with ops.reading(conn):
-                    run = await ops.run(conn, registry, first.run_id)
+                with deadline(conn, settings.db_query_timeout):
+                    async with ops.reading(conn):
+                        run = await ops.run(conn, registry, first.run_id)
                 if run is None or run.status != "running" or time.monotonic() > settle:
                     break
                 if released:
-                    await ops.sweep(conn, settings, args.job)
+                    with deadline(conn, settings.db_query_timeout):
+                        await ops.sweep(conn, settings, args.job)
                 await asyncio.sleep(0.1)
     result = {
         "job": args.job,

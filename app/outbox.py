@@ -27,7 +27,7 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -564,11 +564,21 @@ class Sender:
         await asyncio.gather(*(self._deliver(batch, row) for row in batch.rows))
         return len(batch.rows)
 
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Conn]:
+        """A pooled connection for a few short statements, all within DB_QUERY_TIMEOUT: a
+        database or pooler that stops answering with its socket open would otherwise stall
+        claims and outcomes until the kernel gives up on the socket (see `db.deadline`)."""
+        s = self.settings
+        async with self.pool.acquire(timeout=s.db_acquire_timeout) as conn:
+            with db.deadline(conn, s.db_query_timeout):
+                yield conn
+
     async def _claim(self, want: int, *, wait_for_tokens: bool) -> Claim | None:
         """A claim of up to `want` rows; None when the rate limit has nothing for us yet."""
         s = self.settings
         while True:
-            async with self.pool.acquire(timeout=s.db_acquire_timeout) as conn:
+            async with self._connection() as conn:
                 tokens = await take_tokens(conn, want, rate=s.outbox_rate_limit)
                 if tokens.granted:
                     try:
@@ -710,7 +720,7 @@ class Sender:
         while self._outcomes:
             group, self._outcomes = self._outcomes, []
             try:
-                async with self.pool.acquire(timeout=s.db_acquire_timeout) as conn:
+                async with self._connection() as conn:
                     written = await mark_many(
                         conn,
                         [(token, row_id, outcome) for token, row_id, outcome, _ in group],
@@ -734,7 +744,7 @@ class Sender:
 
     async def _give_back(self, batch: Claim, row: Row, *, attempted: bool) -> None:
         try:
-            async with self.pool.acquire(timeout=self.settings.db_acquire_timeout) as conn:
+            async with self._connection() as conn:
                 self.stats.released += await release(
                     conn, batch.token, [row.id], attempted=attempted
                 )

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,31 @@ async def test_commands_exit_3_when_the_database_is_down(
         result = await run_cli(capsys, *args)
         assert result.code == 3, (args, result.err)
         assert "database unavailable" in result.err
+
+
+async def test_commands_give_up_on_a_statement_that_never_answers(
+    cli_env: dict[str, str],
+    db: asyncpg.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A statement that does not come back (here it queues behind a lock, as behind a long
+    migration; in production as often a frozen pooler) ends the command with exit 3 after
+    DB_QUERY_TIMEOUT instead of hanging the operator's terminal or script."""
+    monkeypatch.setenv("DB_QUERY_TIMEOUT", "1")
+    commands = (["jobs"], ["runs"], ["outbox", "dead"], ["outbox", "requeue", "--all"])
+    async with db.transaction():
+        await db.execute("LOCK TABLE cron_runs, email_outbox IN ACCESS EXCLUSIVE MODE")
+        for args in commands:
+            started = time.monotonic()
+            result = await run_cli(capsys, *args)
+            took = time.monotonic() - started
+            assert result.code == 3, (args, result.err)
+            assert "no answer from the database within 1 s" in result.err, result.err
+            assert took < 4, f"{args}: gave up after {took:.1f}s"
+    for args in commands:  # the same commands, unblocked: nothing was left behind
+        result = await run_cli(capsys, *args)
+        assert result.code == 0, (args, result.err)
 
 
 def test_exit_status_of_the_process(cli_env: dict[str, str]) -> None:

@@ -26,6 +26,7 @@ import pytest
 
 from app import db as appdb
 from app import outbox
+from app.errors import DatabaseUnavailable
 from app.mailer import HttpMailer
 from app.settings import Settings
 from tests.support.provider import Provider, Reply
@@ -529,6 +530,28 @@ async def test_stop_cuts_off_hung_sends_and_releases_them(
         assert await s.drain_once() == 4
     assert await counts(db) == {"sent": 4}
     assert max(provider.delivered().values()) == 1
+
+
+async def test_a_claim_that_never_answers_gives_up_after_the_query_timeout(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """A claim that does not come back (here it queues behind a lock; as often a frozen
+    pooler) fails after DB_QUERY_TIMEOUT instead of stalling delivery; once the database
+    answers, everything is delivered once. The abandoned claim may still run on the server
+    when the lock goes: its rows come back after their lease."""
+    keys = await queue(db, 5)
+    settings = outbox_settings(db_query_timeout=1.0, outbox_lease=2.0, outbox_send_timeout=1.0)
+    async with sender(settings) as s:
+        async with db.transaction():
+            await db.execute("LOCK TABLE email_outbox IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            with pytest.raises(DatabaseUnavailable, match="no answer from the database within 1 s"):
+                await s.drain_once()
+            assert time.monotonic() - started < 3
+        async with running(s):
+            await until(lambda: len(provider.delivered()) == 5, 10, "every email")
+    assert provider.delivered() == Counter(dict.fromkeys(keys, 1))
+    assert await counts(db) == {"sent": 5}
 
 
 async def test_prune_deletes_only_old_sent_rows(db: asyncpg.Connection) -> None:
