@@ -15,28 +15,43 @@ Guarantees differ by backend:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.policy
 import email.utils
 import json
 import logging
+import math
 import re
 import smtplib
+import socket
 import ssl
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from email.message import EmailMessage
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import httpx
 
 from app.settings import Settings, SettingsError
 
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
 log = logging.getLogger("cronlock.mailer")
 
 # Kept short in `last_error`: enough to tell what the provider said.
 ERROR_SNIPPET = 300
+
+# Characters a PostgreSQL text value cannot hold (NUL), or that cannot even be encoded to send
+# it (lone surrogates, as `errors="surrogateescape"` leaves them).
+_NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
+
+# How long an SMTP send may still take after its deadline: closing the socket ends any wait
+# on the relay at once, but a name lookup under way cannot be interrupted (it sends nothing).
+SMTP_GRACE = 1.0
 
 # 408/429/5xx are transient by definition; Resend answers 409 while a request with the same
 # idempotency key is still being processed, which resolves itself.
@@ -82,6 +97,26 @@ class Mailer(Protocol):
     async def aclose(self) -> None: ...
 
 
+def max_send_time(mailer: Mailer, default: float) -> float:
+    """The longest one `send` of this backend can take (its `max_send_time` if it says), so a
+    caller knows how much lease a send needs."""
+    value = getattr(mailer, "max_send_time", None)
+    return float(value) if isinstance(value, int | float) else default
+
+
+def pg_text(text: str) -> str:
+    """`text` without the characters a PostgreSQL text column cannot hold."""
+    return _NOT_TEXT.sub("", text)
+
+
+def error_text(text: str, limit: int = ERROR_SNIPPET) -> str:
+    """An error message fit for `last_error` and a log line: storable by PostgreSQL (see
+    `pg_text`), whitespace collapsed, at most `limit` characters. Every error a backend
+    reports, and every error the outbox writes, goes through here."""
+    text = " ".join(pg_text(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def create_mailer(settings: Settings) -> Mailer:
     """The backend `EMAIL_BACKEND` names."""
     if settings.email_backend == "http":
@@ -123,14 +158,18 @@ def payload_bytes(message: Email) -> bytes:
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """`Retry-After` as seconds from now: delta-seconds or an HTTP-date; None if absent/bad."""
+    """`Retry-After` as seconds from now: delta-seconds or an HTTP-date; None if absent/bad
+    (including "inf", "nan" and numbers too big for a float: the outbox then keeps its own
+    schedule; it also caps a finite value at OUTBOX_RETRY_WINDOW)."""
     if value is None:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -152,7 +191,7 @@ def classify_response(response: httpx.Response) -> SendResult:
         if isinstance(document, dict) and isinstance(document.get("id"), str):
             message_id = document["id"]
         return SendResult.sent(message_id)
-    error = f"HTTP {status}: {_snippet(response.text)}"
+    error = f"HTTP {status}: {error_text(response.text)}"
     if status in RETRYABLE_STATUS or status >= 500:
         return SendResult.retry(error, parse_retry_after(response.headers.get("retry-after")))
     return SendResult.failed(error)
@@ -172,6 +211,8 @@ class HttpMailer:
     ) -> None:
         self.url = api_url.rstrip("/") + "/emails"
         self.timeout = timeout
+        # The asyncio timeout in `send` bounds the whole request.
+        self.max_send_time = timeout
         self._client = httpx.AsyncClient(
             # httpx's timeouts apply per phase; the asyncio timeout in `send` caps the whole.
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
@@ -196,18 +237,11 @@ class HttpMailer:
         except (TimeoutError, httpx.TimeoutException):
             return SendResult.retry(f"timed out after {self.timeout:g}s")
         except httpx.TransportError as exc:
-            return SendResult.retry(
-                f"connection error: {type(exc).__name__}: {exc}"[:ERROR_SNIPPET]
-            )
+            return SendResult.retry(error_text(f"connection error: {type(exc).__name__}: {exc}"))
         return classify_response(response)
 
     async def aclose(self) -> None:
         await self._client.aclose()
-
-
-def _snippet(text: str) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= ERROR_SNIPPET else text[: ERROR_SNIPPET - 1] + "…"
 
 
 # --- smtp -----------------------------------------------------------------------------------
@@ -235,8 +269,79 @@ def build_mime(message: Email) -> EmailMessage:
     return mime
 
 
+class _Deadline:
+    """One SMTP send's overall deadline, shared by the worker thread and the event loop.
+
+    smtplib's timeout applies to each socket operation, so a relay that answers every command
+    just in time can keep a send going for many timeouts. Here each operation waits at most
+    the time left, and `expire` (the loop, at the deadline) shuts the socket down, which ends
+    any wait at once. The lock makes it either-or: the thread registers its socket before it
+    sends anything, and a socket that arrives after `expire` is closed unused, so once `expire`
+    returns not one more byte reaches the relay."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self._lock = threading.Lock()
+        self._expired = False
+        self._sock: socket.socket | None = None
+
+    def left(self) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0 or self._expired:
+            raise TimeoutError(f"timed out after {self.seconds:g}s")
+        return left
+
+    def register(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._expired:
+                sock.close()
+                raise TimeoutError(f"timed out after {self.seconds:g}s")
+            self._sock = sock
+
+    def expire(self) -> None:
+        with self._lock:
+            self._expired = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class _DeadlineSMTP(smtplib.SMTP):
+    """smtplib.SMTP bounded by a `_Deadline` instead of a timeout per socket operation: before
+    each command and each reply the socket (the TLS one after STARTTLS too) is registered
+    with the deadline and may wait only the time left."""
+
+    def __init__(self, deadline: _Deadline) -> None:
+        self._deadline = deadline
+        self._registered: socket.socket | None = None
+        super().__init__(timeout=deadline.seconds)  # no host: `connect` is called later
+
+    def _bound(self) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        if sock is not self._registered:
+            self._deadline.register(sock)
+            self._registered = sock
+        sock.settimeout(self._deadline.left())
+
+    def send(self, s: ReadableBuffer | str) -> None:
+        self._bound()
+        super().send(s)
+
+    def getreply(self) -> tuple[int, bytes]:
+        self._bound()
+        return super().getreply()
+
+
 class SmtpMailer:
-    """Any SMTP relay, through stdlib smtplib in worker threads. At-least-once (see module)."""
+    """Any SMTP relay, through stdlib smtplib in worker threads. At-least-once (see module).
+
+    `timeout` bounds the whole send (connect, TLS, login, the message), not each step: at the
+    deadline the socket is shut down, so a send reported as "retry" can no longer deliver.
+    """
 
     def __init__(
         self,
@@ -255,48 +360,80 @@ class SmtpMailer:
         self.password = password
         self.starttls = starttls
         self.timeout = timeout
+        self.max_send_time = timeout + SMTP_GRACE
         # Our own threads: a slow relay must not starve the loop's default executor.
         self._threads = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="smtp")
 
     async def send(self, message: Email) -> SendResult:
         mime = build_mime(message)
         loop = asyncio.get_running_loop()
+        deadline = _Deadline(self.timeout)
+        future = loop.run_in_executor(self._threads, self._send_sync, mime, deadline)
         try:
-            # smtplib's socket timeout bounds each step inside the thread; a thread cannot be
-            # cancelled, so the loop stops waiting a little later and calls it a timeout.
-            async with asyncio.timeout(self.timeout * 2):
-                await loop.run_in_executor(self._threads, self._send_sync, mime)
+            await asyncio.wait({future}, timeout=self.timeout)
+            if not future.done():
+                # Nothing more reaches the relay after this; the thread ends as soon as it
+                # sees its socket shut down (or its name lookup come back).
+                deadline.expire()
+                await asyncio.wait({future}, timeout=SMTP_GRACE)
+        except BaseException:
+            deadline.expire()  # cut off (shutdown): the row is given back, stop sending it
+            future.add_done_callback(_ignore_result)
+            raise
+        if not future.done():
+            future.add_done_callback(_ignore_result)
+            return SendResult.retry(f"timed out after {self.timeout:g}s")
+        try:
+            future.result()
         except TimeoutError:
             return SendResult.retry(f"timed out after {self.timeout:g}s")
         except (smtplib.SMTPServerDisconnected, smtplib.SMTPConnectError) as exc:
-            return SendResult.retry(f"SMTP connection error: {exc}"[:ERROR_SNIPPET])
+            if deadline.at <= time.monotonic():
+                return SendResult.retry(f"timed out after {self.timeout:g}s")
+            return SendResult.retry(error_text(f"SMTP connection error: {exc}"))
         except smtplib.SMTPRecipientsRefused as exc:
             codes = [code for code, _ in exc.recipients.values()]
-            error = f"SMTP recipient refused: {_smtp_text(exc.recipients)}"
+            error = error_text(f"SMTP recipient refused: {_smtp_text(exc.recipients)}")
             if codes and all(400 <= c < 500 for c in codes):
                 return SendResult.retry(error)
             return SendResult.failed(error)
         except smtplib.SMTPResponseException as exc:
-            error = f"SMTP {exc.smtp_code}: {_decode(exc.smtp_error)}"[:ERROR_SNIPPET]
+            error = error_text(f"SMTP {exc.smtp_code}: {_decode(exc.smtp_error)}")
             if 500 <= exc.smtp_code < 600:
                 return SendResult.failed(error)
             return SendResult.retry(error)
         except smtplib.SMTPNotSupportedError as exc:
-            return SendResult.failed(f"SMTP relay does not support it: {exc}"[:ERROR_SNIPPET])
+            return SendResult.failed(error_text(f"SMTP relay does not support it: {exc}"))
         except (smtplib.SMTPException, OSError) as exc:
-            return SendResult.retry(f"SMTP error: {type(exc).__name__}: {exc}"[:ERROR_SNIPPET])
+            if deadline.at <= time.monotonic():
+                return SendResult.retry(f"timed out after {self.timeout:g}s")
+            return SendResult.retry(error_text(f"SMTP error: {type(exc).__name__}: {exc}"))
         return SendResult.sent(str(mime["Message-ID"]))
 
-    def _send_sync(self, mime: EmailMessage) -> None:
-        with smtplib.SMTP(self.host, self.port, timeout=self.timeout) as smtp:
+    def _send_sync(self, mime: EmailMessage, deadline: _Deadline) -> None:
+        smtp = _DeadlineSMTP(deadline)
+        try:
+            smtp.timeout = deadline.left()  # for the connect (the thread may start late)
+            smtp.connect(self.host, self.port)
             if self.starttls:
                 smtp.starttls(context=ssl.create_default_context())
             if self.username:
                 smtp.login(self.username, self.password or "")
             smtp.send_message(mime)
+            # The relay has the message: whatever happens to the goodbye, it was sent (a
+            # failure here reported as "retry" would deliver a second copy).
+            with contextlib.suppress(smtplib.SMTPException, OSError):
+                smtp.quit()
+        finally:
+            smtp.close()
 
     async def aclose(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _ignore_result(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: no "exception was never retrieved" warning
 
 
 def _decode(value: bytes | str) -> str:

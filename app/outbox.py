@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import signal
 import time
@@ -36,7 +37,15 @@ import asyncpg
 
 from app import db
 from app.errors import DatabaseUnavailable
-from app.mailer import Email, Mailer, SendResult, create_mailer
+from app.mailer import (
+    Email,
+    Mailer,
+    SendResult,
+    create_mailer,
+    error_text,
+    max_send_time,
+    pg_text,
+)
 from app.settings import Settings
 
 log = logging.getLogger("cronlock.outbox")
@@ -59,6 +68,19 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
     DatabaseUnavailable,
     asyncpg.PostgresError,
 )
+
+# The longest `last_error` the outbox writes (a backend's own snippet is shorter).
+MAX_ERROR = 1000
+
+
+def unavailable(exc: BaseException) -> bool:
+    """The database (or the way to it) failed, not the statement: the same write may succeed
+    later. A value the driver cannot encode (asyncpg's DataError, an InterfaceError) or the
+    server refuses is the statement's fault and fails again however often it is tried."""
+    if isinstance(exc, asyncpg.exceptions.DataError):
+        return False
+    return isinstance(exc, (*db.CONNECTION_ERRORS, DatabaseUnavailable))
+
 
 Conn = db.Conn
 
@@ -247,6 +269,8 @@ async def mark_many(
     """`mark` for rows of several claims at once: (claim token, row id, outcome) each."""
     if not results:
         return {}
+    # Values PostgreSQL would refuse (a NUL in a provider's answer, an interval out of range)
+    # must not reach it: one of them fails the whole statement, the other rows' outcomes too.
     records = await conn.fetch(
         MARK_SQL,
         max_attempts,
@@ -254,11 +278,19 @@ async def mark_many(
         [token for token, _, _ in results],
         [row_id for _, row_id, _ in results],
         [o.outcome for _, _, o in results],
-        [o.delay for _, _, o in results],
-        [o.message_id for _, _, o in results],
-        [o.error for _, _, o in results],
+        [retry_delay(o.delay, retry_window) for _, _, o in results],
+        [None if o.message_id is None else pg_text(o.message_id) for _, _, o in results],
+        [None if o.error is None else error_text(o.error, MAX_ERROR) for _, _, o in results],
     )
     return {r["id"]: r["status"] for r in records}
+
+
+def retry_delay(delay: float, retry_window: float) -> float:
+    """`delay` made writable: finite, 0 .. `retry_window` (a longer one is past the window
+    anyway, and the row is dead either way). Not a number counts as the whole window."""
+    if math.isnan(delay):
+        return retry_window
+    return min(max(0.0, delay), retry_window)
 
 
 async def release(
@@ -281,18 +313,20 @@ def backoff_delay(
     cap: float,
     retry_after: float | None = None,
     rng: random.Random | None = None,
+    limit: float = math.inf,
 ) -> float:
     """Seconds before the next attempt after `attempt` failed ones.
 
     Exponential with "equal jitter": half the step is fixed, half random, so retries spread out
-    but never come sooner than half the schedule. A Retry-After from the provider is a floor.
+    but never come sooner than half the schedule. A (finite) Retry-After from the provider is
+    a floor; `limit` (the retry window) caps the result.
     """
-    step = min(cap, base * 2 ** max(0, attempt - 1))
+    step = min(cap, base * 2 ** min(max(0, attempt - 1), 64))
     uniform = rng.uniform if rng is not None else random.uniform
     delay: float = step / 2 + uniform(0, step / 2)
-    if retry_after is not None:
+    if retry_after is not None and math.isfinite(retry_after):
         delay = max(delay, retry_after)
-    return delay
+    return min(delay, limit)
 
 
 # --- rate limit -----------------------------------------------------------------------------
@@ -493,18 +527,27 @@ WHERE id IN (
 """
 
 
+async def prune_chunk(conn: Conn, retention_days: float, *, chunk: int = PRUNE_CHUNK) -> int:
+    """Delete up to `chunk` sent rows older than the retention; returns how many."""
+    status = await conn.execute(PRUNE_SQL, retention_days * 86400.0, chunk)
+    return int(status.split()[-1])
+
+
 async def prune_sent(conn: Conn, retention_days: float, *, chunk: int = PRUNE_CHUNK) -> int:
     """Delete sent rows older than the retention; returns how many."""
     total = 0
     while True:
-        status = await conn.execute(PRUNE_SQL, retention_days * 86400.0, chunk)
-        deleted = int(status.split()[-1])
+        deleted = await prune_chunk(conn, retention_days, chunk=chunk)
         total += deleted
         if deleted < chunk:
             return total
 
 
 # --- the sender -----------------------------------------------------------------------------
+
+
+# An outcome waiting for the next group write: claim token, row id, outcome, the writer's answer.
+_Pending = tuple[uuid.UUID, int, "Outcome", "asyncio.Future[str | None]"]
 
 
 @dataclass(slots=True)
@@ -514,6 +557,12 @@ class _Stats:
     dead: int = 0
     lost: int = 0  # outcomes not written because another sender had taken the row over
     released: int = 0
+    unwritten: int = 0  # outcomes the database refused; those rows come back after their lease
+
+
+class OutcomeRefused(Exception):
+    """The database refused one row's outcome on its own (not an outage): writing it again
+    would fail again, so the row is left to its lease."""
 
 
 class Sender:
@@ -544,20 +593,32 @@ class Sender:
         self._db_trouble = False
         self._rate_wait = 0.0  # how long the last refused token request said to wait
         self._prune_task: asyncio.Task[None] | None = None
-        self._outcomes: list[tuple[uuid.UUID, int, Outcome, asyncio.Future[str | None]]] = []
+        self._outcomes: list[_Pending] = []
         self._writer: asyncio.Task[None] | None = None
-        if settings.outbox_lease <= settings.outbox_send_timeout:
+        self._prune_conn: Conn | None = None
+        # What one send can really take with this backend (SMTP: the timeout and a grace).
+        self.max_send_time = max_send_time(mailer, settings.outbox_send_timeout)
+        if settings.outbox_lease <= self.max_send_time:
             log.warning(
-                "OUTBOX_LEASE (%gs) is not longer than OUTBOX_SEND_TIMEOUT (%gs): a slow send "
-                "can outlive its lease and be sent again by another sender",
+                "OUTBOX_LEASE (%gs) is not longer than a send may take (%gs with "
+                "OUTBOX_SEND_TIMEOUT %gs and this backend): a slow send can outlive its lease "
+                "and be sent again by another sender",
                 settings.outbox_lease,
+                self.max_send_time,
                 settings.outbox_send_timeout,
             )
 
     # -- one batch ---------------------------------------------------------------------------
 
+    def stop_claiming(self) -> None:
+        """No more claims (a `drain_once` waiting for the rate limit gives up), and rows of
+        a batch still waiting for a send slot are given back instead of sent."""
+        self._stopping = True
+
     async def drain_once(self) -> int:
         """Claim one batch (as the rate limit allows), send it, mark it; returns rows handled."""
+        if self._stopping:
+            return 0
         batch = await self._claim(self.settings.outbox_batch_size, wait_for_tokens=True)
         if batch is None or not batch.rows:
             return 0
@@ -594,15 +655,20 @@ class Sender:
                     )
                     self._held += len(batch.rows)
                     return batch
-            if not wait_for_tokens:
+            if not wait_for_tokens or self._stopping:
                 self._rate_wait = tokens.wait
                 return None
             await asyncio.sleep(min(tokens.wait, s.outbox_poll_interval))
 
     async def _deliver(self, batch: Claim, row: Row) -> None:
-        """Send one claimed row and write its outcome; gives the row back if it cannot."""
+        """Send one claimed row and write its outcome; gives the row back if it was not sent.
+
+        A row whose send ended but whose outcome could not be written (a bug, a cut-off at
+        shutdown) is never given back due at once: it may have been delivered, and a retry
+        needs its backoff. Its lease is that backoff."""
         started = False
         finished = False
+        outcome: Outcome | None = None
         try:
             async with self._slots:
                 if self._stopping or not self._lease_allows_send(batch):
@@ -612,16 +678,35 @@ class Sender:
             # Outside the slot: the next send starts while this outcome is being written.
             await self._finish(batch, row, outcome)
             finished = True
+        except Exception:
+            if outcome is None:
+                raise
+            finished = True
+            self.stats.unwritten += 1
+            log.exception(
+                "could not record outbox row %s as %s; it comes back after its lease",
+                row.id,
+                outcome.outcome,
+                extra={"event": "outbox_unwritten", "row": row.id, "instance": self.instance},
+            )
         finally:
             if not finished:
-                await self._give_back(batch, row, attempted=started)
+                if outcome is None:
+                    await self._give_back(batch, row, attempted=started)
+                else:
+                    log.warning(
+                        "outbox row %s: outcome %s not recorded (stopped); it comes back "
+                        "after its lease",
+                        row.id,
+                        outcome.outcome,
+                    )
             self._held -= 1
             self._changed.set()
 
     def _lease_allows_send(self, batch: Claim) -> bool:
         # A send started with less lease left than it may take could still be running when
         # another sender takes the row over: give it back instead.
-        needed = min(self.settings.outbox_send_timeout, self.settings.outbox_lease / 2)
+        needed = min(self.max_send_time, self.settings.outbox_lease / 2)
         return batch.deadline - time.monotonic() >= needed
 
     async def _attempt(self, row: Row) -> Outcome:
@@ -643,7 +728,7 @@ class Sender:
             raise
         except Exception as exc:  # a bug in a backend must not stop delivery of other rows
             log.exception("mailer failed on outbox row %s", row.id)
-            result = SendResult.retry(f"mailer error: {type(exc).__name__}: {exc}"[:300])
+            result = SendResult.retry(error_text(f"mailer error: {type(exc).__name__}: {exc}"))
         if result.status == "sent":
             return Outcome("sent", message_id=result.message_id)
         if result.status == "failed":
@@ -654,6 +739,7 @@ class Sender:
             cap=s.outbox_backoff_max,
             retry_after=result.retry_after,
             rng=self._rng,
+            limit=s.outbox_retry_window,
         )
         return Outcome("retry", delay=delay, error=result.error or "retryable failure")
 
@@ -665,6 +751,9 @@ class Sender:
             try:
                 status = await self._record(batch.token, row.id, outcome)
                 break
+            except OutcomeRefused:
+                self.stats.unwritten += 1
+                return  # logged by the writer; the row comes back after its lease
             except DB_ERRORS as exc:
                 if time.monotonic() + s.outbox_poll_interval >= batch.deadline:
                     log.warning(
@@ -716,31 +805,62 @@ class Sender:
         return await done
 
     async def _write_outcomes(self) -> None:
-        s = self.settings
         while self._outcomes:
             group, self._outcomes = self._outcomes, []
             try:
-                async with self._connection() as conn:
-                    written = await mark_many(
-                        conn,
-                        [(token, row_id, outcome) for token, row_id, outcome, _ in group],
-                        max_attempts=s.outbox_max_attempts,
-                        retry_window=s.outbox_retry_window,
-                    )
-            except Exception as exc:
-                for *_, done in group:
-                    if not done.done():
-                        done.set_exception(exc)
-                continue
+                await self._write_group(group)
             except BaseException:
                 # Cancelled with the loop: nobody will write these, their senders give up.
                 for *_, done in group + self._outcomes:
                     done.cancel()
                 self._outcomes = []
                 raise
-            for _, row_id, _, done in group:
+
+    async def _write_group(self, group: list[_Pending]) -> None:
+        """One statement for the group. If the database refuses it (not an outage), one row's
+        values are to blame: each outcome is then written on its own, so that row cannot keep
+        the others from being recorded (a sent row not marked sent is sent again)."""
+        s = self.settings
+        try:
+            async with self._connection() as conn:
+                written = await mark_many(
+                    conn,
+                    [(token, row_id, outcome) for token, row_id, outcome, _ in group],
+                    max_attempts=s.outbox_max_attempts,
+                    retry_window=s.outbox_retry_window,
+                )
+        except Exception as exc:
+            if unavailable(exc):
+                # Their senders try again while their leases last.
+                for *_, done in group:
+                    if not done.done():
+                        done.set_exception(exc)
+            elif len(group) > 1:
+                log.warning(
+                    "outbox: the database refused %d outcomes written together (%s); "
+                    "writing them one at a time",
+                    len(group),
+                    db.describe(exc),
+                )
+                for pending in group:
+                    await self._write_group([pending])
+            else:
+                [(_, row_id, outcome, done)] = group
+                log.error(
+                    "outbox row %s: the database refuses its outcome %s (%s: %s); it is not "
+                    "retried, the row comes back after its lease",
+                    row_id,
+                    outcome.outcome,
+                    db.describe(exc),
+                    error_text(str(exc)),
+                    extra={"event": "outbox_outcome_refused", "row": row_id},
+                )
                 if not done.done():
-                    done.set_result(written.get(row_id))
+                    done.set_exception(OutcomeRefused(db.describe(exc)))
+            return
+        for _, row_id, _, done in group:
+            if not done.done():
+                done.set_result(written.get(row_id))
 
     async def _give_back(self, batch: Claim, row: Row, *, attempted: bool) -> None:
         try:
@@ -772,7 +892,9 @@ class Sender:
             while not stop.is_set():
                 if time.monotonic() >= next_prune:
                     # In the background: a first prune of a big table must not delay sends.
-                    self._prune_task = asyncio.create_task(self._prune(), name="outbox-prune")
+                    # One at a time: a prune still running (a slow database) skips this turn.
+                    if self._prune_task is None or self._prune_task.done():
+                        self._prune_task = asyncio.create_task(self._prune(), name="outbox-prune")
                     next_prune = time.monotonic() + self.prune_interval
                 if self._held > s.outbox_concurrency:
                     # Enough rows in hand: claim again when a send slot is about to free up.
@@ -798,12 +920,12 @@ class Sender:
                 if not batch.rows:
                     await _wait_any(stop, self._wake, within=s.outbox_poll_interval)
         finally:
+            self._stopping = True
             await self._shutdown(tasks)
-            for helper in (listener, self._prune_task):
-                if helper is not None:
-                    helper.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await helper
+            await self._end_prune()
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
             log.info(
                 "outbox sender stopped",
                 extra={
@@ -833,14 +955,39 @@ class Sender:
             await asyncio.wait(pending, timeout=reserve + 0.5)
 
     async def _prune(self) -> None:
+        """Delete old sent rows a chunk at a time, each chunk on a pooled connection of its
+        own within DB_QUERY_TIMEOUT: a database that stops answering costs one chunk's
+        timeout, not a connection held for ever."""
+        deleted = 0
         try:
-            async with self.pool.acquire(timeout=self.settings.db_acquire_timeout) as conn:
-                deleted = await prune_sent(conn, self.settings.outbox_retention_days)
+            while not self._stopping:
+                async with self._connection() as conn:
+                    self._prune_conn = conn
+                    try:
+                        chunk = await prune_chunk(conn, self.settings.outbox_retention_days)
+                    finally:
+                        self._prune_conn = None
+                deleted += chunk
+                if chunk < PRUNE_CHUNK:
+                    break
         except DB_ERRORS as exc:
-            log.debug("outbox prune skipped: %s", db.describe(exc))
-            return
+            log.debug("outbox prune stopped: %s", db.describe(exc))
         if deleted:
             log.info("outbox: pruned %d sent rows", deleted, extra={"event": "outbox_prune"})
+
+    async def _end_prune(self) -> None:
+        """At shutdown: close a running prune's connection (no cancel request to a database
+        that may not answer, which could keep us waiting), then wait a moment for the task."""
+        task = self._prune_task
+        if task is None or task.done():
+            return
+        conn = self._prune_conn
+        if conn is not None:
+            db.terminate(conn)
+        within = min(1.0, self.settings.outbox_shutdown_timeout / 4)
+        if not (await asyncio.wait({task}, timeout=within))[0]:
+            task.cancel()
+            await asyncio.wait({task}, timeout=within)
 
     async def _listen(self, stop: asyncio.Event) -> None:
         """Wake the loop on NOTIFY, on a connection of its own (the pool's connections are
@@ -849,13 +996,24 @@ class Sender:
         url = self.settings.listen_url
         if not url:
             return
+        failing = False
         while not stop.is_set():
             try:
                 conn = await db.connect(self.settings, url)
-            except DatabaseUnavailable as exc:
-                log.debug("outbox listener cannot connect: %s", exc.reason)
+            except Exception as exc:
+                # Any error, not only an outage: a listener that ended would cost latency
+                # until the process restarts, with nothing in the log to say why.
+                if isinstance(exc, DatabaseUnavailable):
+                    log.debug("outbox listener cannot connect: %s", exc.reason)
+                elif not failing:
+                    log.warning(
+                        "outbox listener cannot connect: %s; polling goes on, retrying",
+                        db.describe(exc),
+                    )
+                failing = True
                 await _wait_any(stop, within=self.settings.outbox_poll_interval)
                 continue
+            failing = False
             lost = asyncio.Event()
 
             def on_notify(*_: object) -> None:
@@ -932,10 +1090,15 @@ async def run_sender(settings: Settings, *, once: bool = False) -> None:
     mailer = create_mailer(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    sender = Sender(pool, settings, mailer, settings.instance_name)
+
+    def on_signal() -> None:
+        stop.set()
+        sender.stop_claiming()  # `--once`: the batch in hand is not sent on either
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
-        sender = Sender(pool, settings, mailer, settings.instance_name)
         if once:
             while not stop.is_set() and await sender.drain_once():
                 pass

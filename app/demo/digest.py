@@ -8,7 +8,7 @@ from __future__ import annotations
 from app.jobs import JobContext, job
 from app.outbox import NOTIFY_SQL
 
-# Due: digest enabled and no digest since this slot began. The subject and body are frozen in
+# Due: digest enabled and no digest since this slot began (a digest stamps at least its slot). The subject and body are frozen in
 # the outbox row now, so every delivery attempt sends the same bytes; what is the same for
 # every row (the key's prefix, the subject) is computed once, not per user.
 #
@@ -24,7 +24,9 @@ WITH per_slot AS (
                || to_char($1::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS subject
 ), due AS (
     UPDATE users
-    SET last_digest_at = now()
+    -- Never before the slot: a run triggered a little early (within the job's early
+    -- tolerance) would otherwise leave its users due for the same slot.
+    SET last_digest_at = greatest(now(), $1::timestamptz)
     WHERE digest_enabled AND (last_digest_at IS NULL OR last_digest_at < $1)
     RETURNING id, email
 ), queued AS (
