@@ -117,8 +117,11 @@ async def _reset_connection(conn: asyncpg.Connection) -> None:
 
     asyncpg's default reset (advisory unlock all, CLOSE ALL, UNLISTEN *, RESET ALL) costs a
     round trip per release. cronlock never creates session state on pooled connections (only
-    transaction-local settings and transaction-level locks, gone at commit or rollback), so
-    a connection released outside a transaction is already clean.
+    transaction-local settings and transaction-level locks, gone at commit or rollback), and
+    what a job leaves behind is cleared inside its own transaction before it commits
+    (`lock.reset_session`; a job that fails is rolled back, which undoes its SETs, though
+    not a session-level advisory lock it took: jobs use the `_xact_` forms), so a connection
+    released outside a transaction is already clean.
     """
     if conn.is_in_transaction():
         await conn.execute("ROLLBACK")
@@ -375,7 +378,15 @@ class Database:
             self._checking = asyncio.ensure_future(
                 self.check(apply_migrations=self.settings.migrate_on_start)
             )
-        await asyncio.shield(self._checking)
+        try:
+            # Bounded: the check may wait behind another instance's migrations, or on a
+            # database that stopped answering while migrating (migrations are not bounded).
+            await asyncio.wait_for(asyncio.shield(self._checking), self.settings.db_query_timeout)
+        except TimeoutError as exc:
+            raise DatabaseUnavailable(
+                f"database not ready: its check (migrations) did not finish within "
+                f"{self.settings.db_query_timeout:g} s"
+            ) from exc
         self.require_ready()
 
     async def watch(self, stop: asyncio.Event) -> None:

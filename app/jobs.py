@@ -12,6 +12,7 @@ inside the job opens one).
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -102,6 +103,9 @@ def job(
         raise JobDefinitionError(f"job {name!r}: {exc}") from exc
 
     def register(func: JobFunc) -> JobFunc:
+        if not inspect.iscoroutinefunction(func):
+            # Found now, not at its first trigger: a plain function would fail every run.
+            raise JobDefinitionError(f"job {name!r}: {func.__qualname__} must be an async def")
         declared = Job(
             name=name,
             func=func,

@@ -171,6 +171,49 @@ async def try_lock(
     return row
 
 
+# Run inside the lock transaction, after the job and before its ledger row: undo the session
+# state a job may have left on the connection (a plain SET, a session advisory lock, a LISTEN,
+# a WITH HOLD cursor). Committed with the run, it cannot outlive it: through PgBouncer the
+# server connection goes to other clients next, and the pool's own reset (app/db.py) is not
+# run per release. RESET ALL drops the transaction's timeouts too, so they are set again;
+# `transaction_timeout` (PostgreSQL 17+) restarts when set, so it gets what is left of its
+# budget, counted from the transaction's start (now()). Literals, not parameters: a
+# multi-statement string goes as one simple query, one round trip. Not undone: temporary
+# tables (a job creates them ON COMMIT DROP) and SQL-level PREPARE.
+RESET_SESSION_SQL = """
+RESET ALL;
+SELECT pg_advisory_unlock_all();
+UNLISTEN *;
+CLOSE ALL;
+SELECT set_config('statement_timeout', '{timeout_ms}ms', true),
+       set_config('idle_in_transaction_session_timeout', '{timeout_ms}ms', true),
+       {extra}
+       set_config('client_connection_check_interval', '{check_ms}ms', true)
+"""
+
+REMAINING_TRANSACTION_TIMEOUT = (
+    "set_config('transaction_timeout', greatest(1, {timeout_ms} - "
+    "(extract(epoch FROM clock_timestamp() - now()) * 1000)::bigint) || 'ms', true),"
+)
+
+
+async def reset_session(
+    conn: Conn, *, db_timeout: float, client_check_interval: float, server_version: int
+) -> None:
+    """Clear what the job may have set for the session; the caller's transaction is open."""
+    timeout_ms = max(1, int(db_timeout * 1000))
+    extra = (
+        REMAINING_TRANSACTION_TIMEOUT.format(timeout_ms=timeout_ms)
+        if server_version >= 170000
+        else ""
+    )
+    await conn.execute(
+        RESET_SESSION_SQL.format(
+            timeout_ms=timeout_ms, check_ms=int(client_check_interval * 1000), extra=extra
+        )
+    )
+
+
 # A read-only look, outside any transaction, before the real attempt: what time is it on the
 # database, is the job's lock held right now (by anyone), and which is the newest slot that
 # already succeeded? It answers the common skips in one statement and never takes the lock

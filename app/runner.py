@@ -24,7 +24,7 @@ from app import ledger
 from app.db import CONNECTION_ERRORS, Conn, Database, deadline, describe, terminate
 from app.errors import DatabaseUnavailable, InvalidTrigger
 from app.jobs import Job, JobContext, Registry, Trigger
-from app.lock import LockKey, lock_key, probe, try_lock, verify_keys
+from app.lock import LockKey, lock_key, probe, reset_session, try_lock, verify_keys
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -211,7 +211,11 @@ class Runner:
             raise InvalidTrigger(f"job {job.name!r} has no schedule: there is no slot to backfill")
         if slot.tzinfo is None:
             raise InvalidTrigger("slot needs a time zone offset, e.g. 2026-01-01T07:00:00Z")
-        if not job.schedule.is_tick(slot):
+        try:
+            tick = job.schedule.is_tick(slot)
+        except (OverflowError, ValueError) as exc:  # at the ends of the calendar (year 1, 9999)
+            raise InvalidTrigger(f"{slot.isoformat()} is out of the schedule's range") from exc
+        if not tick:
             raise InvalidTrigger(f"{slot.isoformat()} is not a tick of {job.schedule.expr!r}")
 
     async def _acquire(
@@ -336,13 +340,22 @@ class Runner:
                     lease, task, "timed_out", f"exceeded its timeout of {job.timeout} s"
                 )
                 return self._outcome(lease, "timed_out", source)
-            error = task.exception()
+            # A task that ended cancelled (the job awaited something a library cancelled, or
+            # raised CancelledError itself) has no exception() to give: it would raise.
+            error: BaseException | None = (
+                RuntimeError("the job's task was cancelled (it raised CancelledError)")
+                if task.cancelled()
+                else task.exception()
+            )
             if error is None:
                 processed = task.result()
                 try:
-                    result = json.loads(json.dumps(processed))
-                except (TypeError, ValueError):
-                    error = TypeError(f"returned {type(processed).__name__}, not a JSON value")
+                    # allow_nan=False: jsonb refuses NaN and Infinity, and the commit would fail.
+                    result = json.loads(json.dumps(processed, allow_nan=False))
+                except (TypeError, ValueError) as exc:
+                    error = TypeError(
+                        f"returned a {type(processed).__name__} that is not JSON: {exc}"
+                    )
                 else:
                     return await self._commit(lease, result, source)
             status: Kind = "cancelled" if _cancelled_by_operator(error) else "failed"
@@ -358,6 +371,12 @@ class Runner:
     async def _commit(self, lease: _Lease, result: Any, source: str) -> Outcome:
         try:
             with deadline(lease.conn, self.settings.db_query_timeout):
+                await reset_session(
+                    lease.conn,
+                    db_timeout=lease.job.timeout + self.settings.db_timeout_margin,
+                    client_check_interval=self.settings.db_client_check_interval,
+                    server_version=self.db.server_version,
+                )
                 duration = await ledger.succeed(lease.conn, lease.ctx.run_id, result)
                 await lease.tx.commit()
         except COMMIT_ERRORS as exc:

@@ -117,6 +117,45 @@ async def bad_result(ctx: JobContext) -> object:
     return object()
 
 
+@job("nan-result")
+async def nan_result(ctx: JobContext) -> float:
+    """JSON to Python, but not to jsonb: the runner must refuse it before the commit."""
+    await record(ctx)
+    return float("nan")
+
+
+@job("cancels-itself")
+async def cancels_itself(ctx: JobContext) -> int:
+    """Ends its task cancelled, as when a library cancels what the job awaits."""
+    await record(ctx)
+    raise asyncio.CancelledError
+
+
+@job("leaves-session-state")
+async def leaves_session_state(ctx: JobContext) -> int:
+    """Session state a careless job leaves behind: a plain SET (search_path would break the
+    ledger's own statements), a session advisory lock, a LISTEN."""
+    await record(ctx)
+    await ctx.conn.execute("SET work_mem = '77MB'")
+    await ctx.conn.execute("SET search_path = nowhere")
+    await ctx.conn.execute("SELECT pg_advisory_lock(777)")
+    await ctx.conn.execute("LISTEN careless")
+    pid: int = await ctx.conn.fetchval("SELECT pg_backend_pid()")
+    return pid
+
+
+@job("session-state")
+async def session_state(ctx: JobContext) -> dict[str, Any]:
+    """What a later run finds on its connection."""
+    row = await ctx.conn.fetchrow(
+        """SELECT pg_backend_pid() AS pid, current_setting('work_mem') AS work_mem,
+                  current_setting('search_path') AS search_path,
+                  ARRAY(SELECT pg_listening_channels()) AS channels"""
+    )
+    assert row is not None
+    return dict(row)
+
+
 class Buggy(BaseModel):
     """A params model with a bug: pydantic passes a RuntimeError through, unlike a ValueError."""
 

@@ -140,6 +140,11 @@ async def test_invalid_input_is_422_and_takes_no_lock(
     assert r.status_code == 422
     r = await post(client, instance.url + "/cron/yearly?slot=yesterday")
     assert r.status_code == 422
+    # Valid date-times at the ends of the calendar: the schedule cannot step past them.
+    for edge in ("0001-01-01T07:00:00Z", "9999-12-31T07:00:00Z", "9999-12-31T23:59:00-01:00"):
+        r = await post(client, instance.url + f"/cron/yearly?slot={edge}")
+        assert r.status_code == 422, (edge, r.text)
+        assert r.json()["error"] == "invalid trigger", r.text
     assert await runs(db, "slow") == []
 
 
@@ -174,7 +179,7 @@ async def test_get_trigger_is_opt_in(start_instance: Starter, client: Any) -> No
 async def test_job_failure_is_500_with_run_id_and_leaves_nothing(
     instance: Any, client: Any, db: asyncpg.Connection
 ) -> None:
-    for job in ("fails", "sql-fails", "bad-result"):
+    for job in ("fails", "sql-fails", "bad-result", "nan-result", "cancels-itself"):
         first = await post(client, instance.url + f"/cron/{job}")
         assert first.status_code == 500
         body = first.json()
@@ -189,6 +194,38 @@ async def test_job_failure_is_500_with_run_id_and_leaves_nothing(
         assert [r["status"] for r in rows] == ["failed", "failed"]
         assert rows[0]["error"]
         assert not await lock_held(db, job)
+
+
+async def test_session_state_a_job_leaves_is_cleared_with_its_commit(
+    start_instance: Starter, client: Any, db: asyncpg.Connection
+) -> None:
+    """A plain SET, a session advisory lock, a LISTEN: committed with the run, they would stay
+    on the pooled connection (behind PgBouncer: on a server connection other clients get)."""
+    instance = start_instance("state", {"DB_POOL_MAX_SIZE": "2"})
+    r = await post(client, instance.url + "/cron/leaves-session-state")
+    assert r.status_code == 200, r.text
+    careless_pid = r.json()["processed"]
+    assert [r["status"] for r in await runs(db, "leaves-session-state")] == ["succeeded"]
+    held = await db.fetchval(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 777"
+    )
+    assert held == 0
+    seen = []
+    for _ in range(20):  # two pooled connections: soon one run lands on the careless one
+        r = await post(client, instance.url + "/cron/session-state")
+        assert r.status_code == 200, r.text
+        seen.append(r.json()["processed"])
+        if seen[-1]["pid"] == careless_pid:
+            break
+    found = [s for s in seen if s["pid"] == careless_pid]
+    assert found, f"no run on backend {careless_pid}: {seen}"
+    defaults = await db.fetchrow(
+        "SELECT current_setting('work_mem') AS w, current_setting('search_path') AS p"
+    )
+    assert defaults is not None
+    assert found[0]["work_mem"] == defaults["w"]
+    assert found[0]["search_path"] == defaults["p"]
+    assert found[0]["channels"] == []
 
 
 async def test_unexpected_error_is_500_without_a_trace(

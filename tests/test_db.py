@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import string
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,10 +15,10 @@ import asyncpg
 import httpx
 import pytest
 
-from app.db import Database, migrations
+from app.db import MIGRATION_LOCK_SQL, Database, migrations
 from app.embedded import LocalPostgres, free_port, start_standby
-from app.errors import JobDefinitionError
-from app.jobs import Job, Registry, load
+from app.errors import DatabaseUnavailable, JobDefinitionError
+from app.jobs import Job, Registry, job, load
 from app.lock import hashtextextended, lock_key, probe
 from app.runner import Runner
 from app.settings import Settings
@@ -127,6 +128,35 @@ def test_colliding_lock_keys_refuse_to_start() -> None:
     with pytest.raises(JobDefinitionError, match="same lock key"):
         registry.check_keys(keys)
     Registry(registry.jobs, registry.namespace).check_keys()
+
+
+async def test_a_trigger_waits_for_migrations_at_most_the_query_timeout(
+    make_settings: Callable[..., Settings], db: asyncpg.Connection
+) -> None:
+    """Another instance mid-migration holds the migration lock: a trigger arriving before this
+    instance has seen the database ready answers 503 after DB_QUERY_TIMEOUT instead of queueing
+    behind the migration for as long as it takes; once the lock goes, the shared check ends."""
+    database = Database(make_settings(db_query_timeout=1.0))
+    await database.open()
+    try:
+        async with db.transaction():
+            await db.execute(MIGRATION_LOCK_SQL)
+            started = time.monotonic()
+            with pytest.raises(DatabaseUnavailable, match="did not finish within 1 s"):
+                await database.ensure_ready()
+            assert time.monotonic() - started < 3
+        await database.ensure_ready()
+        assert database.migrated
+    finally:
+        await database.close()
+
+
+def test_a_job_must_be_async() -> None:
+    def plain(ctx: Any) -> int:
+        return 1
+
+    with pytest.raises(JobDefinitionError, match="must be an async def"):
+        job("plain-function")(plain)  # type: ignore[arg-type]  # what mypy would catch too
 
 
 async def test_instances_booting_together_migrate_once(
