@@ -1,4 +1,4 @@
-# cronlock: slim, non-root, served by uvicorn with the app factory.
+# cronlock: slim, non-root, served by `python -m app serve` (uvicorn with the app factory).
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -15,6 +15,9 @@ WORKDIR /app
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
   CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2).status != 200)"
-# uvicorn waits for ever for requests in flight by default: bound it (GRACEFUL_SHUTDOWN_TIMEOUT).
-CMD ["uvicorn", "--factory", "app.main:create_app", "--host", "0.0.0.0", "--port", "8000", \
-     "--no-access-log", "--timeout-graceful-shutdown", "30"]
+# `serve` runs uvicorn with the app factory, no access log, and GRACEFUL_SHUTDOWN_TIMEOUT as
+# uvicorn's graceful shutdown (uvicorn alone waits for ever for requests in flight). Give the
+# container DATABASE_URL and CRON_SECRET or CRON_SECRET_FILE: without them `serve` would try to
+# start an embedded PostgreSQL or to write a secret into /app/var, neither of which this image
+# is set up for (no PostgreSQL binaries; /app is not writable).
+CMD ["python", "-m", "app", "serve", "--host", "0.0.0.0", "--port", "8000"]

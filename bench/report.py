@@ -235,6 +235,9 @@ def write(outcomes: list[Outcome], note: str | None, load_before: str, load_afte
             facts = outcome.data["machine"]
             break
     facts = facts or machine()
+    # The PgBouncer sections come only from `trigger.py --pgbouncer` (`report.py --pgbouncer`).
+    bouncer = any(o.bench.name == "trigger" and "through PgBouncer" in o.stdout for o in outcomes)
+    flag = " --pgbouncer" if bouncer else ""
     lines = [
         "# Benchmarks",
         "",
@@ -260,12 +263,17 @@ def write(outcomes: list[Outcome], note: str | None, load_before: str, load_afte
         "prints its tables:",
         "",
         "```sh",
-        *(f".venv/bin/python bench/{o.bench.name}.py" for o in outcomes),
-        ".venv/bin/python bench/report.py      # all of them, then this file and the chart",
+        *(
+            f".venv/bin/python bench/{o.bench.name}.py{flag if o.bench.name == 'trigger' else ''}"
+            for o in outcomes
+        ),
+        f".venv/bin/python bench/report.py{flag}      # all of them, then this file and the chart",
         "```",
         "",
-        "`trigger.py` needs `wrk` and `taskset` (Debian: wrk, util-linux); the chart needs "
-        "matplotlib (`pip install -e '.[bench]'`). Benchmarks are never part of the test run.",
+        "`trigger.py` needs `wrk` and `taskset` (Debian: wrk, util-linux)"
+        + (" and, with `--pgbouncer`, `pgbouncer`" if bouncer else "")
+        + "; the chart needs matplotlib (`pip install -e '.[bench]'`). Benchmarks are never "
+        "part of the test run.",
         "",
     ]
     for outcome in outcomes:
