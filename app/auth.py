@@ -93,7 +93,12 @@ class BearerAuth:
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":
+            # No route speaks WebSocket: refuse the handshake rather than pass it on unchecked.
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        if scope["type"] != "http":  # lifespan
             await self.app(scope, receive, send)
             return
         access = required_access(scope["method"], route_path(scope))

@@ -357,8 +357,9 @@ class Database:
         except CONNECTION_ERRORS as exc:
             self.problem = f"database unreachable: {describe(exc)}"
         except asyncpg.PostgresError as exc:
-            self.problem = f"database check failed: {describe(exc)}: {exc}"
-            log.warning("database check failed: %s", exc)
+            # The server's own message goes to the log, not to clients (/readyz, 503 reasons).
+            self.problem = f"database check failed: {describe(exc)}"
+            log.warning("database check failed: %s: %s", describe(exc), exc)
         finally:
             await self.release(conn)
         return self.problem

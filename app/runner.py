@@ -235,7 +235,9 @@ class Runner:
         handed_over = False
         try:
             with deadline(conn, self.settings.db_query_timeout):
-                tx = conn.transaction()
+                # Pinned: under a server default of repeatable read, the ledger's "already done"
+                # would read a snapshot taken before the lock was won.
+                tx = conn.transaction(isolation="read_committed")
                 await tx.start()
                 row = await try_lock(
                     conn,

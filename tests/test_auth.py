@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+from typing import Any
+
 import pytest
 
-from app.auth import Access, bearer_token, matches, required_access, route_path
+from app.auth import (
+    Access,
+    BearerAuth,
+    bearer_token,
+    matches,
+    required_access,
+    route_path,
+)
 
 SECRET = b"s" * 40
 
@@ -83,3 +93,27 @@ def test_required_access(method: str, path: str, access: Access) -> None:
 )
 def test_route_path_drops_the_root_path(path: str, root_path: str, routed: str) -> None:
     assert route_path({"type": "http", "path": path, "root_path": root_path}) == routed
+
+
+async def test_a_websocket_handshake_never_reaches_the_app() -> None:
+    """No route speaks WebSocket: the handshake is refused before the app sees it, token or
+    not, so a route added later cannot be reached around the Bearer check."""
+    reached: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["type"])
+
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    auth = BearerAuth(app, run_tokens=[SECRET])
+    headers = [(b"authorization", b"Bearer " + SECRET)]
+    scope = {"type": "websocket", "path": "/cron/jobs", "root_path": "", "headers": headers}
+    await auth(scope, receive, send)
+    assert reached == []
+    assert sent == [{"type": "websocket.close", "code": 1008}]
