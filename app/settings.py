@@ -41,9 +41,11 @@ class Settings(BaseSettings):
     db_pool_max_size: int = Field(default=10, ge=2)
     db_acquire_timeout: float = Field(default=2.0, gt=0)
     db_connect_timeout: float = Field(default=5.0, gt=0)
-    # cronlock's own statements around a run (probe, lock, ledger, commit) and the read
-    # routes: past this the connection is closed and the answer is 503, for a database or
-    # pooler that stops answering without closing the socket. Not the job's statements.
+    # cronlock's own statements: around a run (probe, lock, ledger, commit), the read routes,
+    # the outbox's claims and outcome writes, and the CLI's commands except `migrate`. Past
+    # this the connection is closed (a trigger answers 503, the outbox retries later, the CLI
+    # exits 3), for a database or pooler that stops answering without closing the socket.
+    # Not the job's statements: its timeout bounds those.
     db_query_timeout: float = Field(default=10.0, gt=0)
     # PgBouncer < 1.21 cannot route prepared statements: keep 0 unless connecting directly.
     db_statement_cache_size: int = Field(default=0, ge=0)
