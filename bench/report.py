@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,7 @@ class Outcome:
     code: int | None
     seconds: float
     data: dict[str, Any] | None
+    args: list[str] = field(default_factory=list)  # the flags it ran with
 
 
 def run(bench: Bench, extra: list[str], folder: Path) -> Outcome:
@@ -165,7 +166,7 @@ def run(bench: Bench, extra: list[str], folder: Path) -> Outcome:
     seconds = time.monotonic() - started
     print(stdout, file=sys.stderr, flush=True)
     data = json.loads(out.read_text()) if out.exists() else None
-    return Outcome(bench, stdout, code, seconds, data)
+    return Outcome(bench, stdout, code, seconds, data, extra)
 
 
 def chart(trigger: dict[str, Any], path: Path) -> str | None:
@@ -278,7 +279,8 @@ def write(outcomes: list[Outcome], note: str | None, load_before: str, load_afte
     ]
     for outcome in outcomes:
         lines += [f"## {outcome.bench.title}", "", f"Goal: {outcome.bench.goal}.", ""]
-        lines += [f"`.venv/bin/python bench/{outcome.bench.name}.py` ({outcome.seconds:.0f} s)"]
+        command = " ".join([f"bench/{outcome.bench.name}.py", *outcome.args])
+        lines += [f"`.venv/bin/python {command}` ({outcome.seconds:.0f} s)"]
         if outcome.code not in (0, None):
             lines += ["", f"**The script exited with {outcome.code}.**"]
         lines += ["", outcome.stdout.strip(), ""]
