@@ -846,13 +846,15 @@ class Sender:
                     await self._write_group([pending])
             else:
                 [(_, row_id, outcome, done)] = group
+                # The server's message, not its DETAIL: that quotes the row (addresses, body).
+                message = getattr(exc, "message", None) or type(exc).__name__
                 log.error(
                     "outbox row %s: the database refuses its outcome %s (%s: %s); it is not "
                     "retried, the row comes back after its lease",
                     row_id,
                     outcome.outcome,
                     db.describe(exc),
-                    error_text(str(exc)),
+                    error_text(str(message)),
                     extra={"event": "outbox_outcome_refused", "row": row_id},
                 )
                 if not done.done():
@@ -993,13 +995,12 @@ class Sender:
         """Wake the loop on NOTIFY, on a connection of its own (the pool's connections are
         shared, and PgBouncer in transaction mode cannot carry LISTEN). Polling goes on
         regardless, so losing this connection only costs latency."""
-        url = self.settings.listen_url
-        if not url:
+        if not self.settings.listen_url:
             return
         failing = False
         while not stop.is_set():
             try:
-                conn = await db.connect(self.settings, url)
+                conn = await db.connect(self.settings, self.settings.listen_url)
             except Exception as exc:
                 # Any error, not only an outage: a listener that ended would cost latency
                 # until the process restarts, with nothing in the log to say why.

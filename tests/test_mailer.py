@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import email
 import email.policy
 import logging
@@ -20,12 +21,15 @@ from app.mailer import (
     LogMailer,
     SmtpMailer,
     create_mailer,
+    error_text,
+    max_send_time,
     message_id,
     parse_retry_after,
     payload_bytes,
 )
 from app.settings import Settings, SettingsError
 from tests.support.provider import Provider, Reply
+from tests.support.smtp import SlowRelay
 
 API_KEY = "re_test_key"
 
@@ -153,6 +157,31 @@ def test_parse_retry_after() -> None:
     assert parse_retry_after("Thu, 01 Jan 2026 11:00:00 GMT", now=now) == 0.0
     assert parse_retry_after("soon", now=now) is None
     assert parse_retry_after(None) is None
+    # Not a number of seconds anyone can wait: ignored (the outbox keeps its own schedule);
+    # a huge finite one is capped by the outbox at OUTBOX_RETRY_WINDOW.
+    for endless in ("inf", "Infinity", "-inf", "nan", "1e400"):
+        assert parse_retry_after(endless, now=now) is None, endless
+    assert parse_retry_after("1e13", now=now) == 1e13
+
+
+def test_error_text_is_storable_and_short() -> None:
+    """No NUL (PostgreSQL text cannot hold it) nor lone surrogates (cannot be encoded)."""
+    assert error_text("bad\x00 gateway\ud800 \n\t x") == "bad gateway x"
+    long = error_text("x" * 1000)
+    assert len(long) == 300
+    assert long.endswith("…")
+    assert len(error_text("y" * 1000, 50)) == 50
+
+
+async def test_http_error_body_with_a_nul_is_made_storable(provider: Provider) -> None:
+    provider.script(None, Reply(502, body="<html>bad\x00gateway</html>"))
+    mailer = HttpMailer(provider.url, API_KEY, timeout=2)
+    try:
+        result = await mailer.send(an_email())
+    finally:
+        await mailer.aclose()
+    assert result.status == "retry"
+    assert result.error == "HTTP 502: <html>badgateway</html>"
 
 
 def test_payload_is_deterministic() -> None:
@@ -252,6 +281,45 @@ async def test_smtp_unreachable_relay_is_retryable() -> None:
     finally:
         await mailer.aclose()
     assert result.status == "retry"
+
+
+async def test_smtp_timeout_bounds_the_whole_send() -> None:
+    """A tarpit relay that answers every command within the timeout but is slow overall: the
+    send gives up at its timeout, and nothing reaches the relay after it said "retry" (before,
+    the worker thread went on and delivered a copy the outbox would send again)."""
+    with SlowRelay(delay=0.4) as relay:
+        mailer = SmtpMailer("127.0.0.1", relay.port, timeout=1.0)
+        started = time.monotonic()
+        try:
+            result = await mailer.send(an_email())
+            returned = time.monotonic()
+            await asyncio.sleep(2.0)  # the whole exchange would be over by now
+        finally:
+            await mailer.aclose()
+        [conn] = relay.connections
+    assert result.status == "retry"
+    assert result.error == "timed out after 1s"
+    assert returned - started < 1.5
+    assert relay.delivered() == []
+    assert all(at <= returned for at, _ in conn.commands), conn.commands
+    assert max_send_time(mailer, 0.0) == 2.0  # the timeout and the grace for a name lookup
+
+
+async def test_smtp_a_slow_goodbye_after_the_message_is_still_sent() -> None:
+    """The relay took the message but hangs on QUIT: that is a delivery ("sent"), not a
+    failure to retry, which would deliver a second copy."""
+    with SlowRelay(delays={"QUIT": 5.0}) as relay:
+        mailer = SmtpMailer("127.0.0.1", relay.port, timeout=1.0)
+        started = time.monotonic()
+        try:
+            result = await mailer.send(an_email())
+        finally:
+            await mailer.aclose()
+        elapsed = time.monotonic() - started
+        delivered = relay.delivered()
+    assert result.status == "sent", result
+    assert len(delivered) == 1
+    assert elapsed < 2.0
 
 
 # --- log and the choice of backend ----------------------------------------------------------

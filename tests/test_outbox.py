@@ -7,6 +7,9 @@ they check the schedule the sender wrote, then skip the wait.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
+import math
 import os
 import random
 import resource
@@ -26,10 +29,12 @@ import pytest
 
 from app import db as appdb
 from app import outbox
+from app.demo.digest import DIGEST_SQL, SENDER
 from app.errors import DatabaseUnavailable
-from app.mailer import HttpMailer
+from app.mailer import HttpMailer, SmtpMailer
 from app.settings import Settings
 from tests.support.provider import Provider, Reply
+from tests.support.smtp import SlowRelay
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "re_test_key"
@@ -254,6 +259,149 @@ async def test_retry_schedule(
     assert len({q.body for q in requests}) == 1
 
 
+async def _drain_all_at_once(s: outbox.Sender, provider: Provider, count: int) -> int:
+    """drain_once with every answer held back until all `count` requests are in, so the
+    outcomes arrive together and share a group write."""
+    provider.hold()
+    drain = asyncio.create_task(s.drain_once())
+    try:
+        await until(lambda: provider.in_flight == count, 5, f"{count} requests in flight")
+    finally:
+        provider.release()
+    return await asyncio.wait_for(drain, 10)
+
+
+async def test_a_bad_answer_cannot_keep_the_others_from_being_recorded(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """A provider answer with a NUL in its body (PostgreSQL text cannot hold it) and one with
+    `Retry-After: inf`, written together with successful sends: every success is marked sent
+    once (before, the whole group write failed until the lease ended, and the sent rows were
+    sent again), and the bad ones are retried after a sane, finite delay."""
+    keys = await queue(db, 6)
+    nul, endless = keys[1], keys[4]
+    provider.script(nul, Reply(502, body="<html>bad\x00gateway</html>"))
+    provider.script(endless, Reply(429, retry_after="inf"))
+    settings = outbox_settings(outbox_concurrency=6, outbox_lease=5.0, outbox_backoff_base=1.0)
+    async with sender(settings) as s:
+        started = time.monotonic()
+        assert await _drain_all_at_once(s, provider, 6) == 6
+        assert time.monotonic() - started < 3  # no write retried until the lease ended
+        assert Counter(r.key for r in provider.requests) == Counter(dict.fromkeys(keys, 1))
+        for key in keys:
+            r = await row(db, key)
+            assert r["claim_token"] is None
+            assert r["attempts"] == 1
+            if key in (nul, endless):
+                assert r["status"] == "pending"
+                assert 0.5 - 0.5 <= r["due_in"] <= 1.0  # backoff base 1: 0.5 .. 1 s
+            else:
+                assert r["status"] == "sent"
+        assert (await row(db, nul))["last_error"] == "HTTP 502: <html>badgateway</html>"
+        assert (await row(db, endless))["last_error"].startswith("HTTP 429")
+        assert (s.stats.sent, s.stats.retried, s.stats.unwritten) == (4, 2, 0)
+        await make_due(db)
+        assert await s.drain_once() == 2
+    assert provider.delivered() == Counter(dict.fromkeys(keys, 1))
+    assert await counts(db) == {"sent": 6}
+
+
+async def test_mark_makes_values_postgresql_would_refuse_writable(
+    db: asyncpg.Connection,
+) -> None:
+    """`mark` itself never sends PostgreSQL a NUL or an interval out of range; a delay past
+    the retry window is the end of the window (the row is dead, as it would be anyway)."""
+    await queue(db, 5)
+    batch = await outbox.claim(db, limit=10, lease=60.0)
+    ids = [r.id for r in batch.rows]
+    outcomes = [
+        outbox.Outcome("sent", message_id="msg\x00_1"),
+        outbox.Outcome("retry", delay=1.0, error="HTTP 502: bad\x00gateway"),
+        outbox.Outcome("retry", delay=math.inf, error="HTTP 429"),
+        outbox.Outcome("retry", delay=1e13, error="HTTP 429"),
+        outbox.Outcome("retry", delay=math.nan, error="HTTP 503"),
+    ]
+    written = await outbox.mark(
+        db, batch.token, list(zip(ids, outcomes, strict=True)), max_attempts=12, retry_window=3600
+    )
+    assert [written[i] for i in ids] == ["sent", "pending", "dead", "dead", "dead"]
+    rows = {r["id"]: r for r in await db.fetch("SELECT * FROM email_outbox")}
+    assert rows[ids[0]]["provider_message_id"] == "msg_1"
+    assert rows[ids[1]]["last_error"] == "HTTP 502: badgateway"
+    assert rows[ids[2]]["last_error"] == "HTTP 429 (retry window ended)"
+
+
+async def test_an_outcome_the_database_refuses_is_left_to_its_lease(
+    db: asyncpg.Connection,
+    outbox_settings: MakeSettings,
+    provider: Provider,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Should the database still refuse one row's outcome (here a CHECK constraint refuses
+    its error text), the group is written one row at a time: the others are recorded, and
+    the refused row is logged once, loudly, and left to its lease, not written again every
+    second until the lease ends."""
+    keys = await queue(db, 4)
+    poisoned = keys[2]
+    await db.execute(
+        """ALTER TABLE email_outbox ADD CONSTRAINT no_poison
+           CHECK (last_error IS NULL OR last_error NOT LIKE '%poison%')"""
+    )
+    provider.script(poisoned, Reply(500, body="poison"))
+    settings = outbox_settings(outbox_concurrency=4, outbox_lease=5.0)
+    caplog.set_level(logging.WARNING, logger="cronlock.outbox")
+    async with sender(settings) as s:
+        started = time.monotonic()
+        assert await _drain_all_at_once(s, provider, 4) == 4
+        assert time.monotonic() - started < 3
+        assert (s.stats.sent, s.stats.unwritten) == (3, 1)
+    rows = {r["idempotency_key"]: r for r in await db.fetch("SELECT * FROM email_outbox")}
+    assert {k: rows[k]["status"] for k in keys} == {
+        **dict.fromkeys(keys, "sent"),
+        poisoned: "pending",
+    }
+    assert rows[poisoned]["claim_token"] is not None  # comes back when its lease ends
+    refused = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(refused) == 1
+    message = refused[0].getMessage()
+    assert f"outbox row {rows[poisoned]['id']}: the database refuses" in message
+    assert "no_poison" in message
+    assert "example.com" not in message  # the server's DETAIL quotes the row: not logged
+    assert Counter(r.key for r in provider.requests) == Counter(dict.fromkeys(keys, 1))
+
+
+class _BrokenRecorder(outbox.Sender):
+    """A sender whose outcome write fails with a bug (not a database error)."""
+
+    async def _record(self, token: uuid.UUID, row_id: int, outcome: outbox.Outcome) -> str | None:
+        raise RuntimeError("a bug in the outcome write")
+
+
+async def test_a_send_whose_outcome_cannot_be_recorded_is_not_due_again_at_once(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """The email went out but recording it failed with something other than a database
+    error: the row keeps its claim until the lease ends (its backoff), instead of being given
+    back due at once and sent again straight away."""
+    [key] = await queue(db, 1)
+    settings = outbox_settings(outbox_lease=30.0)
+    pool = await appdb.create_pool(settings)
+    mailer = HttpMailer(settings.email_api_url, API_KEY, timeout=2.0)
+    try:
+        s = _BrokenRecorder(pool, settings, mailer, "broken")
+        assert await s.drain_once() == 1
+        assert await s.drain_once() == 0
+        assert s.stats.unwritten == 1
+    finally:
+        await mailer.aclose()
+        await pool.close()
+    r = await row(db, key)
+    assert (r["status"], r["attempts"]) == ("pending", 1)
+    assert r["claim_token"] is not None
+    assert r["due_in"] > 25
+    assert len(provider.requests) == 1
+
+
 async def test_permanent_failure_is_dead_at_once(
     db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
 ) -> None:
@@ -402,6 +550,94 @@ async def test_expired_lease_cannot_overwrite_the_new_claim(
     )
     assert written == {r["id"]: "sent"}
     assert (await row(db, key))["provider_message_id"] == "from-b"
+
+
+async def test_a_slow_smtp_relay_gets_no_overlapping_attempts(
+    db: asyncpg.Connection, outbox_settings: MakeSettings
+) -> None:
+    """A tarpit relay (every reply takes 0.4 s, the send timeout is 1 s): each attempt ends at
+    its timeout and sends nothing after it, so the next attempt never overlaps a previous one
+    that could still deliver (before, the worker thread went on and the relay got copies)."""
+    [key] = await queue(db, 1)
+    settings = outbox_settings(
+        email_backend="smtp",
+        outbox_send_timeout=1.0,
+        outbox_lease=10.0,
+        outbox_backoff_base=0.05,
+        outbox_max_attempts=3,
+    )
+    with SlowRelay(delay=0.4) as relay:
+        pool = await appdb.create_pool(settings)
+        mailer = SmtpMailer("127.0.0.1", relay.port, timeout=settings.outbox_send_timeout)
+        try:
+            s = outbox.Sender(pool, settings, mailer, "smtp")
+            started = time.monotonic()
+            async with running(s):
+                await until(
+                    lambda: db.fetchval("SELECT status = 'dead' FROM email_outbox"),
+                    10,
+                    "three attempts",
+                )
+            elapsed = time.monotonic() - started
+            await asyncio.sleep(1.0)  # anything still on its way to the relay arrives
+        finally:
+            await mailer.aclose()
+            await pool.close()
+        connections = relay.connections
+    assert len(connections) == 3
+    for earlier, later in itertools.pairwise(connections):
+        assert all(at < later.opened for at, _ in earlier.commands), (earlier, later)
+    assert relay.delivered() == []
+    assert elapsed < 3 * 2.0 + 1.0
+    r = await row(db, key)
+    assert r["last_error"] == "timed out after 1s (gave up after 3 attempts)"
+
+
+def test_the_lease_warning_knows_the_backends_real_send_time(
+    outbox_settings: MakeSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SMTP may take its timeout plus a grace: a lease between the two is too short."""
+    settings = outbox_settings(email_backend="smtp", outbox_send_timeout=1.0, outbox_lease=1.5)
+    caplog.set_level(logging.WARNING, logger="cronlock.outbox")
+    mailer = SmtpMailer("127.0.0.1", 25, timeout=settings.outbox_send_timeout)
+    s = outbox.Sender(None, settings, mailer)  # type: ignore[arg-type]  # no pool needed
+    assert s.max_send_time == 2.0
+    [warning] = caplog.records
+    assert "OUTBOX_LEASE (1.5s) is not longer than a send may take (2s" in warning.getMessage()
+
+
+async def test_listener_survives_an_error_that_is_not_an_outage(
+    db: asyncpg.Connection,
+    outbox_settings: MakeSettings,
+    provider: Provider,
+    database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A direct URL the server refuses with an ordinary error (an unknown setting) is logged
+    once and retried at the poll cadence; once it works, NOTIFY wakes the sender again."""
+    bad = database_url + ("&" if "?" in database_url else "?") + "no_such_setting=1"
+    settings = outbox_settings(outbox_poll_interval=0.2, database_direct_url=bad)
+    caplog.set_level(logging.WARNING, logger="cronlock.outbox")
+    listening = (
+        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' "
+        "AND pid <> pg_backend_pid()"
+    )
+    async with sender(settings) as s, running(s):
+        await asyncio.sleep(0.8)  # a few attempts
+        warnings = [r.getMessage() for r in caplog.records if "listener" in r.getMessage()]
+        assert warnings == [
+            "outbox listener cannot connect: database error 42704; polling goes on, retrying"
+        ]
+        s.settings = settings.model_copy(update={"database_direct_url": database_url})
+        await until(lambda: db.fetchval(listening), 3, "the listener")
+        s.settings = settings.model_copy(
+            update={"database_direct_url": database_url, "outbox_poll_interval": 30.0}
+        )
+        await asyncio.sleep(0.5)  # the loop is now in a 30 s wait: only NOTIFY wakes it
+        async with db.transaction():
+            await queue(db, 1)
+            await db.execute(outbox.NOTIFY_SQL)
+        await until(lambda: len(provider.requests) == 1, 3, "delivery after NOTIFY")
 
 
 async def test_rate_limit_is_shared_by_senders(
@@ -570,6 +806,61 @@ async def test_prune_deletes_only_old_sent_rows(db: asyncpg.Connection) -> None:
     assert [r["user_id"] for r in left] == [4, 5, 6]
 
 
+async def test_prune_is_bounded_and_runs_one_at_a_time(
+    db: asyncpg.Connection, outbox_settings: MakeSettings
+) -> None:
+    """While the table is locked (as a database that stops answering), each prune gives up
+    after DB_QUERY_TIMEOUT, a new one never starts while one still runs, and stopping the
+    sender does not wait for the prune."""
+    timeout = 0.5
+    settings = outbox_settings(db_query_timeout=timeout, outbox_shutdown_timeout=1.0)
+    pool = await appdb.create_pool(settings)
+    s = outbox.Sender(pool, settings, HttpMailer(settings.email_api_url, API_KEY, timeout=1.0))
+    s.prune_interval = 0.05
+    seen: dict[asyncio.Task[None], float] = {}
+    lifetimes: list[float] = []
+    most_at_once = 0
+    try:
+        stop = asyncio.Event()
+        task = asyncio.create_task(s.run(stop))
+        async with db.transaction():
+            await db.execute("LOCK TABLE email_outbox IN ACCESS EXCLUSIVE MODE")
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                if s._prune_task is not None and s._prune_task not in seen:
+                    seen[s._prune_task] = time.monotonic()
+                running_now = [t for t in seen if not t.done()]
+                most_at_once = max(most_at_once, len(running_now))
+                await asyncio.sleep(0.01)
+            stopping = time.monotonic()
+            stop.set()
+            await asyncio.wait_for(task, 5)
+            stopped_in = time.monotonic() - stopping
+        for t, first_seen in seen.items():
+            lifetimes.append(time.monotonic() - first_seen if not t.done() else 0.0)
+    finally:
+        await pool.close()
+    assert len(seen) >= 2  # prunes came and went while the lock was held
+    assert most_at_once == 1
+    assert stopped_in < settings.outbox_shutdown_timeout + 0.5
+    assert all(t.done() for t in seen)
+
+
+async def test_an_early_digest_run_stamps_its_slot(db: asyncpg.Connection) -> None:
+    """A trigger that comes a little before its slot (within the early tolerance) stamps the
+    users with the slot, not the earlier now(): they are not due for that slot any more, and a
+    forced rerun of the slot finds nobody instead of failing on the unique key."""
+    await db.execute("INSERT INTO users (email) VALUES ('a@example.com'), ('b@example.com')")
+    slot = await db.fetchval("SELECT date_trunc('second', now()) + interval '3 seconds'")
+    assert await db.fetchval(DIGEST_SQL, slot, "daily-digest", SENDER) == 2
+    stamps = await db.fetch("SELECT last_digest_at FROM users")
+    assert all(r["last_digest_at"] == slot for r in stamps)
+    assert await db.fetchval(DIGEST_SQL, slot, "daily-digest", SENDER) == 0  # forced rerun
+    assert await db.fetchval("SELECT count(*) FROM email_outbox") == 2
+    later = await db.fetchval("SELECT $1::timestamptz + interval '1 day'", slot)
+    assert await db.fetchval(DIGEST_SQL, later, "daily-digest", SENDER) == 2  # next slot
+
+
 async def test_stats_use_the_database_clock(db: asyncpg.Connection) -> None:
     assert await outbox.outbox_stats(db) == {
         "pending": 0,
@@ -696,6 +987,38 @@ async def test_drain_process_with_once_exits_when_nothing_is_due(
     assert done.returncode == 0, log.read_text()
     assert provider.delivered() == Counter(dict.fromkeys(keys, 1))
     assert await counts(db) == {"sent": 25}
+
+
+async def test_drain_once_stops_at_sigterm(
+    db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
+) -> None:
+    """`drain --once` told to stop sends what is in flight and claims nothing more; the rest
+    of the batch in hand is given back unsent, due at once."""
+    await queue(db, 10)
+    provider.delay = 0.5
+    log = tmp_path / "worker.log"
+    env = worker_env(
+        database_url, provider, outbox_batch_size=10, outbox_concurrency=1, outbox_lease=30
+    )
+    worker = start_worker(env, log, "--once")
+    try:
+        await until(lambda: provider.in_flight == 1, 30, "the first send")
+        worker.send_signal(signal.SIGTERM)
+        stopping = time.monotonic()
+        await until(lambda: worker.poll() is not None, 5, "the worker to exit")
+        stopped_in = time.monotonic() - stopping
+    finally:
+        stop_workers([worker], log)
+    assert worker.returncode == 0, log.read_text()
+    assert stopped_in < 2.0
+    assert len(provider.requests) == 1
+    rows = await db.fetch("SELECT *, next_attempt_at <= now() AS due FROM email_outbox")
+    assert Counter(r["status"] for r in rows) == {"sent": 1, "pending": 9}
+    for r in rows:
+        assert r["claim_token"] is None
+        if r["status"] == "pending":
+            assert r["due"]
+            assert r["attempts"] == 0
 
 
 async def test_sender_killed_mid_batch(

@@ -8,9 +8,10 @@ from __future__ import annotations
 from app.jobs import JobContext, job
 from app.outbox import NOTIFY_SQL
 
-# Due: digest enabled and no digest since this slot began (a digest stamps at least its slot). The subject and body are frozen in
-# the outbox row now, so every delivery attempt sends the same bytes; what is the same for
-# every row (the key's prefix, the subject) is computed once, not per user.
+# Due: digest enabled and no digest since this slot began (a digest stamps at least its
+# slot). The subject and body are frozen in the outbox row now, so every delivery attempt
+# sends the same bytes; what is the same for every row (the key's prefix, the subject) is
+# computed once, not per user.
 #
 # A plain INSERT, not ON CONFLICT DO NOTHING (which costs a speculative insertion per row,
 # about 15 % of the statement): the due filter and the job's lock already keep a second row
