@@ -815,10 +815,10 @@ async def test_prune_is_bounded_and_runs_one_at_a_time(
     timeout = 0.5
     settings = outbox_settings(db_query_timeout=timeout, outbox_shutdown_timeout=1.0)
     pool = await appdb.create_pool(settings)
-    s = outbox.Sender(pool, settings, HttpMailer(settings.email_api_url, API_KEY, timeout=1.0))
-    s.prune_interval = 0.05
-    seen: dict[asyncio.Task[None], float] = {}
-    lifetimes: list[float] = []
+    mailer = HttpMailer(settings.email_api_url, API_KEY, timeout=1.0)
+    s = outbox.Sender(pool, settings, mailer, prune_interval=0.05)
+    started: dict[asyncio.Task[None], float] = {}
+    ended: dict[asyncio.Task[None], float] = {}
     most_at_once = 0
     try:
         stop = asyncio.Event()
@@ -827,23 +827,26 @@ async def test_prune_is_bounded_and_runs_one_at_a_time(
             await db.execute("LOCK TABLE email_outbox IN ACCESS EXCLUSIVE MODE")
             end = time.monotonic() + 2.0
             while time.monotonic() < end:
-                if s._prune_task is not None and s._prune_task not in seen:
-                    seen[s._prune_task] = time.monotonic()
-                running_now = [t for t in seen if not t.done()]
-                most_at_once = max(most_at_once, len(running_now))
+                now = time.monotonic()
+                if s._prune_task is not None and s._prune_task not in started:
+                    started[s._prune_task] = now
+                for t in started:
+                    if t.done() and t not in ended:
+                        ended[t] = now
+                most_at_once = max(most_at_once, sum(not t.done() for t in started))
                 await asyncio.sleep(0.01)
             stopping = time.monotonic()
             stop.set()
             await asyncio.wait_for(task, 5)
             stopped_in = time.monotonic() - stopping
-        for t, first_seen in seen.items():
-            lifetimes.append(time.monotonic() - first_seen if not t.done() else 0.0)
     finally:
+        await mailer.aclose()
         await pool.close()
-    assert len(seen) >= 2  # prunes came and went while the lock was held
+    assert len(ended) >= 2  # prunes came and went while the lock was held
     assert most_at_once == 1
+    assert max(ended[t] - started[t] for t in ended) < timeout + 0.3
     assert stopped_in < settings.outbox_shutdown_timeout + 0.5
-    assert all(t.done() for t in seen)
+    assert all(t.done() for t in started)
 
 
 async def test_an_early_digest_run_stamps_its_slot(db: asyncpg.Connection) -> None:
