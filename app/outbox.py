@@ -75,9 +75,10 @@ MAX_ERROR = 1000
 
 def unavailable(exc: BaseException) -> bool:
     """The database (or the way to it) failed, not the statement: the same write may succeed
-    later. A value the driver cannot encode (asyncpg's DataError, an InterfaceError) or the
-    server refuses is the statement's fault and fails again however often it is tried."""
-    if isinstance(exc, asyncpg.exceptions.DataError):
+    later. A value the driver cannot encode (asyncpg's client-side DataError: an InterfaceError
+    and a ValueError) or the server refuses is the statement's fault and fails again however
+    often it is tried."""
+    if isinstance(exc, ValueError):
         return False
     return isinstance(exc, (*db.CONNECTION_ERRORS, DatabaseUnavailable))
 
@@ -837,8 +838,7 @@ class Sender:
                         done.set_exception(exc)
             elif len(group) > 1:
                 log.warning(
-                    "outbox: the database refused %d outcomes written together (%s); "
-                    "writing them one at a time",
+                    "outbox: %d outcomes written together failed (%s); writing them one at a time",
                     len(group),
                     db.describe(exc),
                 )
@@ -849,7 +849,7 @@ class Sender:
                 # The server's message, not its DETAIL: that quotes the row (addresses, body).
                 message = getattr(exc, "message", None) or type(exc).__name__
                 log.error(
-                    "outbox row %s: the database refuses its outcome %s (%s: %s); it is not "
+                    "outbox row %s: its outcome %s cannot be written (%s: %s); it is not "
                     "retried, the row comes back after its lease",
                     row_id,
                     outcome.outcome,

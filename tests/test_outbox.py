@@ -31,7 +31,7 @@ from app import db as appdb
 from app import outbox
 from app.demo.digest import DIGEST_SQL, SENDER
 from app.errors import DatabaseUnavailable
-from app.mailer import HttpMailer, SmtpMailer
+from app.mailer import Email, HttpMailer, SendResult, SmtpMailer
 from app.settings import Settings
 from tests.support.provider import Provider, Reply
 from tests.support.smtp import SlowRelay
@@ -364,10 +364,39 @@ async def test_an_outcome_the_database_refuses_is_left_to_its_lease(
     refused = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(refused) == 1
     message = refused[0].getMessage()
-    assert f"outbox row {rows[poisoned]['id']}: the database refuses" in message
+    assert f"outbox row {rows[poisoned]['id']}: its outcome retry cannot be written" in message
     assert "no_poison" in message
     assert "example.com" not in message  # the server's DETAIL quotes the row: not logged
     assert Counter(r.key for r in provider.requests) == Counter(dict.fromkeys(keys, 1))
+
+
+class _OddIdMailer:
+    """A backend (a third-party one, say) whose message ids are not text."""
+
+    async def send(self, message: Email) -> SendResult:
+        return SendResult("sent", message_id=message.recipient.count("1"))  # type: ignore[arg-type]
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_an_outcome_that_cannot_be_encoded_is_left_to_its_lease(
+    db: asyncpg.Connection, outbox_settings: MakeSettings
+) -> None:
+    """A backend's answer the outcome write cannot even encode fails that row only: it is
+    left to its lease at once (not given back due at once, nor retried until the lease
+    ends)."""
+    await queue(db, 2)
+    settings = outbox_settings(outbox_lease=5.0)
+    pool = await appdb.create_pool(settings)
+    try:
+        s = outbox.Sender(pool, settings, _OddIdMailer(), "odd")
+        started = time.monotonic()
+        assert await s.drain_once() == 2
+        assert time.monotonic() - started < 3
+        assert s.stats.unwritten == 2
+    finally:
+        await pool.close()
 
 
 class _BrokenRecorder(outbox.Sender):
