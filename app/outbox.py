@@ -745,8 +745,10 @@ class Sender:
         return Outcome("retry", delay=delay, error=result.error or "retryable failure")
 
     async def _finish(self, batch: Claim, row: Row, outcome: Outcome) -> None:
-        """Write the outcome; a database hiccup is retried while the lease lasts, after that
-        the row comes back on its own and is sent again with the same key."""
+        """Write the outcome; a database outage is retried while the lease lasts, after that
+        the row comes back on its own and is sent again with the same key. An outcome the
+        database refuses is not retried (the writer has logged it): the row waits out its
+        lease."""
         s = self.settings
         while True:
             try:

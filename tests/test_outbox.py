@@ -873,7 +873,7 @@ async def test_prune_is_bounded_and_runs_one_at_a_time(
         await pool.close()
     assert len(ended) >= 2  # prunes came and went while the lock was held
     assert most_at_once == 1
-    assert max(ended[t] - started[t] for t in ended) < timeout + 0.3
+    assert max(ended[t] - started[t] for t in ended) < timeout + 0.5
     assert stopped_in < settings.outbox_shutdown_timeout + 0.5
     assert all(t.done() for t in started)
 
@@ -1042,7 +1042,7 @@ async def test_drain_once_stops_at_sigterm(
     finally:
         stop_workers([worker], log)
     assert worker.returncode == 0, log.read_text()
-    assert stopped_in < 2.0
+    assert stopped_in < 3.0  # the send in flight (0.5 s), not the batch (10 x 0.5 s)
     assert len(provider.requests) == 1
     rows = await db.fetch("SELECT *, next_attempt_at <= now() AS due FROM email_outbox")
     assert Counter(r["status"] for r in rows) == {"sent": 1, "pending": 9}
