@@ -54,8 +54,12 @@ _NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
 SMTP_GRACE = 1.0
 
 # 408/429/5xx are transient by definition; Resend answers 409 while a request with the same
-# idempotency key is still being processed, which resolves itself.
-RETRYABLE_STATUS = frozenset({408, 409, 429})
+# idempotency key is still being processed, which resolves itself. 401/403 say our key is
+# wrong (rotated, revoked), not the email: retried, so a bad key costs a delay until it is
+# fixed instead of killing the whole queue in one pass; the retry window still ends them.
+RETRYABLE_STATUS = frozenset({401, 403, 408, 409, 429})
+# SMTP's "authentication required / credentials invalid": ours to fix, as above.
+SMTP_AUTH_CODES = frozenset({530, 534, 535})
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,7 +403,7 @@ class SmtpMailer:
             return SendResult.failed(error)
         except smtplib.SMTPResponseException as exc:
             error = error_text(f"SMTP {exc.smtp_code}: {_decode(exc.smtp_error)}")
-            if 500 <= exc.smtp_code < 600:
+            if 500 <= exc.smtp_code < 600 and exc.smtp_code not in SMTP_AUTH_CODES:
                 return SendResult.failed(error)
             return SendResult.retry(error)
         except smtplib.SMTPNotSupportedError as exc:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import AuthResult
 
 from app.mailer import (
     Email,
@@ -101,7 +102,9 @@ async def test_http_every_attempt_sends_the_same_bytes(provider: Provider) -> No
         (Reply(409), "retry", None),
         (Reply(408), "retry", None),
         (Reply(400), "failed", None),
-        (Reply(401), "failed", None),
+        (Reply(401), "retry", None),  # our key, not the email: fixed by an operator
+        (Reply(403), "retry", None),
+        (Reply(404), "failed", None),
         (Reply(422), "failed", None),
     ],
 )
@@ -219,6 +222,28 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+async def test_smtp_bad_credentials_are_retried_not_dead() -> None:
+    """A relay refusing our login (rotated password) is our fault, not the email's."""
+    port = _free_port()
+    controller = Controller(
+        Sink(),
+        hostname="127.0.0.1",
+        port=port,
+        auth_require_tls=False,
+        authenticator=lambda *args: AuthResult(success=False, handled=False),
+    )
+    controller.start()
+    mailer = SmtpMailer("127.0.0.1", port, timeout=5, username="app", password="old")
+    try:
+        result = await mailer.send(an_email())
+    finally:
+        await mailer.aclose()
+        controller.stop()
+    assert result.status == "retry", result
+    assert result.error is not None
+    assert "535" in result.error
 
 
 @pytest.fixture
