@@ -90,7 +90,8 @@ Conn = db.Conn
 
 # One statement: the row, and a notification only if a row went in. ON CONFLICT makes a repeat
 # of the same (job, slot, user) a no-op instead of an error that would abort the caller's
-# transaction.
+# transaction. Only with both slot and user set: NULLs are distinct in a unique index, so a job
+# without a schedule (no slot) gets one row per call, as its runs are not once per anything.
 ENQUEUE_SQL = f"""
 WITH queued AS (
     INSERT INTO email_outbox (job, slot, user_id, sender, recipient, subject, body)
