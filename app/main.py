@@ -78,9 +78,12 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
         finally:
             stop.set()
             await runner.shutdown(settings.graceful_shutdown_timeout)
-            await asyncio.wait(tasks, timeout=settings.outbox_shutdown_timeout + 1)
-            for task in tasks:
+            _, late = await asyncio.wait(tasks, timeout=settings.outbox_shutdown_timeout + 1)
+            for task in late:
                 task.cancel()
+            if late:
+                # Let them unwind (give back rows, close connections) before the pool goes.
+                await asyncio.wait(late, timeout=1.0)
             await db.close()
 
     app = FastAPI(
