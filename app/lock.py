@@ -125,15 +125,26 @@ async def verify_keys(conn: Conn, names: list[str], namespace: int) -> dict[str,
     return {r["n"]: r["k"] for r in rows}
 
 
-# One statement, one round trip: the transaction's timeouts (SET takes no bind parameters,
-# set_config(..., true) is its transaction-local form), then the try-lock, plus what the
+def timeouts_sql(timeout: str, check: str, transaction_timeout: str | None) -> str:
+    """The lock transaction's timeouts as select-list items (SET takes no bind parameters;
+    set_config(..., true) is its transaction-local form). Each argument is SQL: a parameter
+    in the lock statement, literals in `reset_session`; `transaction_timeout` exists from
+    PostgreSQL 17 (None before)."""
+    items = [
+        f"set_config('statement_timeout', {timeout}, true)",
+        f"set_config('idle_in_transaction_session_timeout', {timeout}, true)",
+        f"set_config('client_connection_check_interval', {check}, true)",
+    ]
+    if transaction_timeout is not None:
+        items.append(f"set_config('transaction_timeout', {transaction_timeout}, true)")
+    return ",\n       ".join(items)
+
+
+# One statement, one round trip: the transaction's timeouts, then the try-lock, plus what the
 # runner needs to decide: the database's clock, whether this is a standby, and the backend
 # pid that holds the lock (PgBouncer hides the real one from the client).
 TRY_LOCK_SQL = """
-SELECT set_config('statement_timeout', $3, true),
-       set_config('idle_in_transaction_session_timeout', $3, true),
-       set_config('client_connection_check_interval', $4, true),
-       {extra}
+SELECT {timeouts},
        pg_try_advisory_xact_lock(hashtextextended($1, $2)) AS locked,
        now() AS db_now,
        pg_is_in_recovery() AS standby,
@@ -142,9 +153,13 @@ SELECT set_config('statement_timeout', $3, true),
 
 
 def try_lock_sql(server_version: int) -> str:
-    """The lock statement for this server: `transaction_timeout` exists from PostgreSQL 17."""
-    extra = "set_config('transaction_timeout', $3, true)," if server_version >= 170000 else ""
-    return TRY_LOCK_SQL.format(extra=extra)
+    """The lock statement for this server."""
+    transaction_timeout = "$3" if server_version >= 170000 else None
+    return TRY_LOCK_SQL.format(timeouts=timeouts_sql("$3", "$4", transaction_timeout))
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
 
 
 async def try_lock(
@@ -164,7 +179,7 @@ async def try_lock(
         try_lock_sql(server_version),
         name,
         namespace,
-        f"{max(1, int(db_timeout * 1000))}ms",
+        f"{_ms(db_timeout)}ms",
         f"{int(client_check_interval * 1000)}ms",
     )
     assert row is not None
@@ -175,43 +190,35 @@ async def try_lock(
 # state a job may have left on the connection (a plain SET, a session advisory lock, a LISTEN,
 # a WITH HOLD cursor). Committed with the run, it cannot outlive it: through PgBouncer the
 # server connection goes to other clients next, and the pool's own reset (app/db.py) is not
-# run per release. RESET ALL drops the transaction's timeouts too, so they are set again;
-# `transaction_timeout` (PostgreSQL 17+) restarts when set, so it gets what is left of its
-# budget, counted from the transaction's start (now()). Literals, not parameters: a
-# multi-statement string goes as one simple query, one round trip. Not undone: temporary
-# tables (a job creates them ON COMMIT DROP) and SQL-level PREPARE.
+# run per release. RESET ALL drops the lock statement's timeouts too, so they are set again;
+# `transaction_timeout` restarts when set, so it gets what is left of its budget, counted from
+# the transaction's start (now()). Literals, not parameters: a multi-statement string goes as
+# one simple query, one round trip. Not undone: temporary tables (a job creates them ON
+# COMMIT DROP) and SQL-level PREPARE.
 RESET_SESSION_SQL = """
 RESET ALL;
 SELECT pg_advisory_unlock_all();
 UNLISTEN *;
 CLOSE ALL;
-SELECT set_config('statement_timeout', '{timeout_ms}ms', true),
-       set_config('idle_in_transaction_session_timeout', '{timeout_ms}ms', true),
-       {extra}
-       set_config('client_connection_check_interval', '{check_ms}ms', true)
+SELECT {timeouts}
 """
-
-REMAINING_TRANSACTION_TIMEOUT = (
-    "set_config('transaction_timeout', greatest(1, {timeout_ms} - "
-    "(extract(epoch FROM clock_timestamp() - now()) * 1000)::bigint) || 'ms', true),"
-)
 
 
 async def reset_session(
     conn: Conn, *, db_timeout: float, client_check_interval: float, server_version: int
 ) -> None:
     """Clear what the job may have set for the session; the caller's transaction is open."""
-    timeout_ms = max(1, int(db_timeout * 1000))
-    extra = (
-        REMAINING_TRANSACTION_TIMEOUT.format(timeout_ms=timeout_ms)
-        if server_version >= 170000
-        else ""
+    timeout_ms = _ms(db_timeout)
+    left = (
+        f"greatest(1, {timeout_ms} - "
+        "(extract(epoch FROM clock_timestamp() - now()) * 1000)::bigint) || 'ms'"
     )
-    await conn.execute(
-        RESET_SESSION_SQL.format(
-            timeout_ms=timeout_ms, check_ms=int(client_check_interval * 1000), extra=extra
-        )
+    timeouts = timeouts_sql(
+        f"'{timeout_ms}ms'",
+        f"'{int(client_check_interval * 1000)}ms'",
+        left if server_version >= 170000 else None,
     )
+    await conn.execute(RESET_SESSION_SQL.format(timeouts=timeouts))
 
 
 # A read-only look, outside any transaction, before the real attempt: what time is it on the
