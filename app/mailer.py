@@ -284,23 +284,26 @@ class _Deadline:
     returns not one more byte reaches the relay."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+        self.message = f"timed out after {seconds:g}s"
         self.at = time.monotonic() + seconds
         self._lock = threading.Lock()
         self._expired = False
         self._sock: socket.socket | None = None
 
+    @property
+    def passed(self) -> bool:
+        return self._expired or time.monotonic() >= self.at
+
     def left(self) -> float:
-        left = self.at - time.monotonic()
-        if left <= 0 or self._expired:
-            raise TimeoutError(f"timed out after {self.seconds:g}s")
-        return left
+        if self.passed:
+            raise TimeoutError(self.message)
+        return self.at - time.monotonic()
 
     def register(self, sock: socket.socket) -> None:
         with self._lock:
             if self._expired:
                 sock.close()
-                raise TimeoutError(f"timed out after {self.seconds:g}s")
+                raise TimeoutError(self.message)
             self._sock = sock
 
     def expire(self) -> None:
@@ -320,7 +323,9 @@ class _DeadlineSMTP(smtplib.SMTP):
     def __init__(self, deadline: _Deadline) -> None:
         self._deadline = deadline
         self._registered: socket.socket | None = None
-        super().__init__(timeout=deadline.seconds)  # no host: `connect` is called later
+        # No host: `connect` is called later. The timeout is for the connect; the thread may
+        # start late, so it is what is left, not the whole.
+        super().__init__(timeout=deadline.left())
 
     def _bound(self) -> None:
         sock = self.sock
@@ -384,16 +389,18 @@ class SmtpMailer:
             deadline.expire()  # cut off (shutdown): the row is given back, stop sending it
             future.add_done_callback(_ignore_result)
             raise
+        timed_out = SendResult.retry(deadline.message)
         if not future.done():
             future.add_done_callback(_ignore_result)
-            return SendResult.retry(f"timed out after {self.timeout:g}s")
+            return timed_out
         try:
             future.result()
         except TimeoutError:
-            return SendResult.retry(f"timed out after {self.timeout:g}s")
+            return timed_out
         except (smtplib.SMTPServerDisconnected, smtplib.SMTPConnectError) as exc:
-            if deadline.at <= time.monotonic():
-                return SendResult.retry(f"timed out after {self.timeout:g}s")
+            # A socket the deadline shut down looks like a relay that hung up.
+            if deadline.passed:
+                return timed_out
             return SendResult.retry(error_text(f"SMTP connection error: {exc}"))
         except smtplib.SMTPRecipientsRefused as exc:
             codes = [code for code, _ in exc.recipients.values()]
@@ -409,15 +416,14 @@ class SmtpMailer:
         except smtplib.SMTPNotSupportedError as exc:
             return SendResult.failed(error_text(f"SMTP relay does not support it: {exc}"))
         except (smtplib.SMTPException, OSError) as exc:
-            if deadline.at <= time.monotonic():
-                return SendResult.retry(f"timed out after {self.timeout:g}s")
+            if deadline.passed:
+                return timed_out
             return SendResult.retry(error_text(f"SMTP error: {type(exc).__name__}: {exc}"))
         return SendResult.sent(str(mime["Message-ID"]))
 
     def _send_sync(self, mime: EmailMessage, deadline: _Deadline) -> None:
         smtp = _DeadlineSMTP(deadline)
         try:
-            smtp.timeout = deadline.left()  # for the connect (the thread may start late)
             smtp.connect(self.host, self.port)
             if self.starttls:
                 smtp.starttls(context=ssl.create_default_context())

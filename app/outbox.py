@@ -315,20 +315,19 @@ def backoff_delay(
     cap: float,
     retry_after: float | None = None,
     rng: random.Random | None = None,
-    limit: float = math.inf,
 ) -> float:
     """Seconds before the next attempt after `attempt` failed ones.
 
     Exponential with "equal jitter": half the step is fixed, half random, so retries spread out
     but never come sooner than half the schedule. A (finite) Retry-After from the provider is
-    a floor; `limit` (the retry window) caps the result.
+    a floor; the write caps the result at the retry window (`retry_delay`).
     """
     step = min(cap, base * 2 ** min(max(0, attempt - 1), 64))
     uniform = rng.uniform if rng is not None else random.uniform
     delay: float = step / 2 + uniform(0, step / 2)
     if retry_after is not None and math.isfinite(retry_after):
         delay = max(delay, retry_after)
-    return min(delay, limit)
+    return delay
 
 
 # --- rate limit -----------------------------------------------------------------------------
@@ -741,7 +740,6 @@ class Sender:
             cap=s.outbox_backoff_max,
             retry_after=result.retry_after,
             rng=self._rng,
-            limit=s.outbox_retry_window,
         )
         return Outcome("retry", delay=delay, error=result.error or "retryable failure")
 
