@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import secrets
 import signal
@@ -121,8 +122,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             port=args.port,
             access_log=False,
             # uvicorn waits for ever for requests in flight by default; a job still running
-            # after this long is cancelled and rolled back.
-            timeout_graceful_shutdown=max(1, round(settings.graceful_shutdown_timeout)),
+            # after this long is cancelled and rolled back. uvicorn takes whole seconds:
+            # rounding up never cuts the setting short.
+            timeout_graceful_shutdown=math.ceil(settings.graceful_shutdown_timeout),
         )
     finally:
         if embedded is not None:

@@ -8,12 +8,16 @@ the ones whose process boundary matters (exit status, the secret's way in) run a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ import httpx
 import pytest
 
 from app import cli
+from app.cluster import Instance
 from tests.support import TEST_SECRET
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
@@ -411,3 +416,103 @@ async def test_catch_up_runs_a_missed_slot_once(
     assert (row["trigger"], row["source"], row["status"]) == ("backfill", "catch-up", "succeeded")
     # Overdue scheduled jobs that did not opt in are left alone.
     assert await runs(db, "yearly") == []
+
+
+# --- serve ------------------------------------------------------------------------------------
+
+
+class Served(Instance):
+    """`python -m app serve`, as the README's first command and the Dockerfile run it, in a
+    folder of its own (where `var/` would go)."""
+
+    def command(self) -> list[str]:
+        host_port = ["--host", "127.0.0.1", "--port", str(self.port)]
+        return [sys.executable, "-m", "app", "serve", *host_port]
+
+    def cwd(self) -> Path:
+        return self.dir
+
+
+@pytest.fixture
+def serve_dir() -> Iterator[Path]:
+    # Under /tmp, not pytest's 0700 basetemp: an embedded server runs as `postgres` as root.
+    root = Path(tempfile.mkdtemp(prefix="cronlock-serve-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_serve_as_the_image_runs_it(
+    database_url: str,
+    db: asyncpg.Connection,
+    serve_dir: Path,
+    report_logs: Callable[[list[Instance]], None],
+) -> None:
+    """The Dockerfile's command: with DATABASE_URL and a secret given, `serve` starts no
+    embedded PostgreSQL, writes nothing, and hands GRACEFUL_SHUTDOWN_TIMEOUT to uvicorn: a
+    job still running at SIGTERM is cancelled after it, rolled back and recorded, instead of
+    being waited for (uvicorn alone waits for ever)."""
+    env = {
+        "DATABASE_URL": database_url,
+        "CRON_SECRET": TEST_SECRET,
+        "CRON_JOBS": "tests.jobs",
+        "OUTBOX_ENABLED": "false",
+        "GRACEFUL_SHUTDOWN_TIMEOUT": "1.5",
+    }
+    served = Served("image", env, dir=serve_dir, ready_path="/readyz")
+    report_logs([served])
+    served.start()
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            long = asyncio.create_task(
+                post(client, served.url + "/cron/slow", json={"seconds": 20})
+            )
+            await wait_for(lambda: lock_held(db, "slow"), 10, "the job to run")
+            started = time.monotonic()
+            os.kill(served.pid, signal.SIGTERM)  # as an orchestrator signals PID 1
+            code = await asyncio.to_thread(served.wait_exit, 15)
+            took = time.monotonic() - started
+            with contextlib.suppress(httpx.HTTPError):
+                await long
+    finally:
+        served.stop(5)
+    assert code == 128 + signal.SIGTERM
+    assert took < 8, f"exited {took:.1f}s after SIGTERM: the 20 s job was waited for"
+    assert [r["status"] for r in await runs(db, "slow")] == ["cancelled"]
+    assert await effects(db, "slow") == 0
+    assert not (serve_dir / "var").exists()
+
+
+async def test_serve_with_nothing_configured_starts_what_it_needs(
+    serve_dir: Path, report_logs: Callable[[list[Instance]], None]
+) -> None:
+    """The README's first command on a machine with nothing configured: an embedded
+    PostgreSQL in var/pg, a generated secret (0600) with a curl header file, the demo digest
+    once per slot; SIGTERM stops the embedded server too."""
+    served = Served("front", {}, dir=serve_dir, ready_path="/healthz", ready_timeout=90)
+    report_logs([served])
+    served.start()
+    try:
+        async with httpx.AsyncClient(timeout=30, base_url=served.url) as client:
+
+            async def ready() -> bool:
+                return (await client.get("/readyz")).status_code == 200
+
+            await wait_for(ready, 60, "the embedded database migrated")
+            secret = serve_dir / "var" / "cron_secret"
+            assert secret.stat().st_mode & 0o777 == 0o600
+            header = (serve_dir / "var" / "cron_auth_header").read_text().strip()
+            name, value = header.split(": ", 1)
+            auth = {name: value}
+            assert (await client.post("/cron/daily-digest")).status_code == 401
+            first = await client.post("/cron/daily-digest", headers=auth)
+            assert first.status_code == 200, first.text
+            assert first.json()["processed"] == 3
+            again = await client.post("/cron/daily-digest", headers=auth)
+            assert again.json()["reason"] == "already done"
+        pid_file = serve_dir / "var" / "pg" / "postmaster.pid"
+        assert pid_file.exists()
+        os.kill(served.pid, signal.SIGTERM)
+        assert await asyncio.to_thread(served.wait_exit, 30) == 128 + signal.SIGTERM
+    finally:
+        served.stop(5)
+    assert not pid_file.exists(), "the embedded PostgreSQL outlived serve"
