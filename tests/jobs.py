@@ -134,12 +134,13 @@ async def cancels_itself(ctx: JobContext) -> int:
 @job("leaves-session-state")
 async def leaves_session_state(ctx: JobContext) -> int:
     """Session state a careless job leaves behind: a plain SET (search_path would break the
-    ledger's own statements), a session advisory lock, a LISTEN."""
+    ledger's own statements), a session advisory lock, a LISTEN, a cursor WITH HOLD."""
     await record(ctx)
     await ctx.conn.execute("SET work_mem = '77MB'")
     await ctx.conn.execute("SET search_path = nowhere")
     await ctx.conn.execute("SELECT pg_advisory_lock(777)")
     await ctx.conn.execute("LISTEN careless")
+    await ctx.conn.execute("DECLARE careless CURSOR WITH HOLD FOR SELECT 1")
     pid: int = await ctx.conn.fetchval("SELECT pg_backend_pid()")
     return pid
 
@@ -150,7 +151,8 @@ async def session_state(ctx: JobContext) -> dict[str, Any]:
     row = await ctx.conn.fetchrow(
         """SELECT pg_backend_pid() AS pid, current_setting('work_mem') AS work_mem,
                   current_setting('search_path') AS search_path,
-                  ARRAY(SELECT pg_listening_channels()) AS channels"""
+                  ARRAY(SELECT pg_listening_channels()) AS channels,
+                  ARRAY(SELECT name FROM pg_cursors WHERE name = 'careless') AS cursors"""
     )
     assert row is not None
     return dict(row)

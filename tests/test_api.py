@@ -226,6 +226,7 @@ async def test_session_state_a_job_leaves_is_cleared_with_its_commit(
     assert found[0]["work_mem"] == defaults["w"]
     assert found[0]["search_path"] == defaults["p"]
     assert found[0]["channels"] == []
+    assert found[0]["cursors"] == []
 
 
 async def test_unexpected_error_is_500_without_a_trace(

@@ -101,5 +101,6 @@ async def test_a_run_on_the_newest_server_clears_the_session_it_leaves(
         assert on_it, seen
         assert on_it[0]["work_mem"] == "4MB"
         assert on_it[0]["channels"] == []
+        assert on_it[0]["cursors"] == []
     finally:
         await db.close()
