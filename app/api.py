@@ -257,11 +257,15 @@ async def healthz() -> dict[str, str]:
 
 @health_router.get("/readyz")
 async def readyz(db: DatabaseDep, settings: SettingsDep) -> Response:
-    """Database reachable, a primary, migrations current."""
+    """Database reachable, a primary, migrations current (or newer than this code: a rolling
+    deploy's old instances serve on, and say so)."""
     problem = await db.check(apply_migrations=False)
     if problem is not None:
         return error(503, "not ready", reason=problem)
-    return JSONResponse({"status": "ready", "instance": settings.instance_name})
+    body = {"status": "ready", "instance": settings.instance_name}
+    if db.note is not None:
+        body["note"] = db.note
+    return JSONResponse(body)
 
 
 bench_router = APIRouter(prefix="/bench", tags=["bench"], include_in_schema=False)

@@ -26,7 +26,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from app.errors import DatabaseUnavailable
+from app.schema import MigrationError
 from app.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
@@ -55,6 +58,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except DatabaseUnavailable as exc:
         return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    except MigrationError as exc:
+        return _fail(exc.reason, EXIT_UNAVAILABLE)
+    except ValidationError as exc:
+        # A setting from the environment or .env that does not parse: name it, no traceback.
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])).upper() or 'settings'}: {e['msg']}"
+            for e in exc.errors()
+        )
+        return _fail(f"invalid configuration: {problems}", EXIT_USAGE)
     except KeyboardInterrupt:
         return 130
 
@@ -75,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(handler=cmd_serve)
 
     migrate = sub.add_parser("migrate", help="apply pending migrations and exit")
+    shown = migrate.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--dry-run", action="store_true", help="list what would be applied; change nothing"
+    )
+    shown.add_argument(
+        "--sql", action="store_true", help="print the SQL that would be applied, for a DBA"
+    )
     migrate.set_defaults(handler=cmd_migrate)
 
     run = sub.add_parser("run", help="run a job now, through the same lock/slot/ledger path")
@@ -173,7 +192,9 @@ def start_embedded(settings: Settings, demo_users: int) -> tuple[Any, str]:
 async def _prepare_embedded(server: Any, admin: str, demo_users: int) -> str:
     import asyncpg
 
-    from app.db import migrate
+    from app.schema import migrate, migration_sets
+
+    settings = Settings()
 
     conn = await asyncpg.connect(admin)
     try:
@@ -184,10 +205,20 @@ async def _prepare_embedded(server: Any, admin: str, demo_users: int) -> str:
     url: str = server.dsn("cronlock")
     conn = await asyncpg.connect(url)
     try:
-        await migrate(conn)
-        if demo_users and not await conn.fetchval("SELECT count(*) FROM users"):
+        await migrate(
+            conn,
+            settings.db_schema,
+            migration_sets(settings.job_modules),
+            lock_timeout=settings.migrate_lock_timeout,
+        )
+        demo = await conn.fetchval("SELECT to_regclass('cronlock_demo.users') IS NOT NULL")
+        if (
+            demo
+            and demo_users
+            and not await conn.fetchval("SELECT count(*) FROM cronlock_demo.users")
+        ):
             await conn.execute(
-                "INSERT INTO users (email) SELECT 'user' || g || '@example.com' "
+                "INSERT INTO cronlock_demo.users (email) SELECT 'user' || g || '@example.com' "
                 "FROM generate_series(1, $1) g",
                 demo_users,
             )
@@ -200,19 +231,37 @@ async def _prepare_embedded(server: Any, admin: str, demo_users: int) -> str:
 
 
 async def cmd_migrate(args: argparse.Namespace) -> int:
-    from app.db import connect, migrate
+    from app import schema
+    from app.db import connect
 
     settings = Settings()
+    sets = schema.migration_sets(settings.job_modules)
+    conn = await connect(settings)
     try:
-        conn = await connect(settings)
-    except DatabaseUnavailable as exc:
-        print(f"cronlock: database unavailable: {exc.reason}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    try:
-        applied = await migrate(conn)
+        if args.dry_run or args.sql:
+            found = await schema.status(conn, settings.db_schema, sets)
+            steps = await schema.plan(conn, settings.db_schema, sets)
+            if args.sql:
+                print(
+                    schema.script(settings.db_schema, steps, settings.migrate_lock_timeout), end=""
+                )
+            elif steps:
+                for step in steps:
+                    print(f"would apply: {step.label}")
+            else:
+                print("migrations are current")
+            if found.note:
+                print(f"note: {found.note}", file=sys.stderr)
+            return EXIT_OK
+        applied = await schema.migrate(
+            conn, settings.db_schema, sets, lock_timeout=settings.migrate_lock_timeout
+        )
+        found = await schema.status(conn, settings.db_schema, sets)
     finally:
         await conn.close()
     print("applied: " + ", ".join(applied) if applied else "migrations are current")
+    if found.note:
+        print(f"note: {found.note}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -224,7 +273,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
     from app.runner import Runner
 
     settings = Settings()
-    registry = load(settings.job_modules, settings.lock_namespace)
+    registry = load(settings.job_modules, settings.lock_namespace, settings.db_schema)
     if args.job not in registry:
         print(f"cronlock: unknown job {args.job!r}; known: {', '.join(registry)}", file=sys.stderr)
         return EXIT_USAGE
@@ -376,7 +425,7 @@ def _load_registry(settings: Settings) -> Any:
     from app.jobs import load
 
     try:
-        return load(settings.job_modules, settings.lock_namespace)
+        return load(settings.job_modules, settings.lock_namespace, settings.db_schema)
     except JobDefinitionError as exc:
         raise SettingsError(str(exc)) from exc
 
@@ -729,7 +778,7 @@ async def cmd_outbox_dead(args: argparse.Namespace) -> int:
 
     settings = Settings()
     async with _connection(settings) as conn:
-        rows = await outbox.dead_rows(conn, args.limit)
+        rows = await outbox.dead_rows(conn, schema=settings.db_schema, limit=args.limit)
     if args.json:
         _print_json({"dead": [r.as_json() for r in rows]})
         return EXIT_OK
@@ -765,7 +814,10 @@ async def cmd_outbox_requeue(args: argparse.Namespace) -> int:
     settings = Settings()
     async with _connection(settings) as conn:
         done = await outbox.requeue(
-            conn, "all" if args.all else args.ids, retry_window=settings.outbox_retry_window
+            conn,
+            "all" if args.all else args.ids,
+            schema=settings.db_schema,
+            retry_window=settings.outbox_retry_window,
         )
     if args.json:
         _print_json({"requeued": [r.as_json() for r in done]})

@@ -749,12 +749,14 @@ def _redact(dsn: str) -> str:
 
 
 async def _migrate(dsn: str) -> None:
-    from app.db import connect, migrate
+    from app.db import connect
+    from app.schema import migrate, migration_sets
     from app.settings import Settings
 
-    conn = await connect(Settings(_env_file=None, database_url=dsn), dsn)
+    settings = Settings(database_url=dsn)
+    conn = await connect(settings, dsn)
     try:
-        await migrate(conn)
+        await migrate(conn, settings.db_schema, migration_sets(settings.job_modules))
     finally:
         await conn.close()
 

@@ -12,59 +12,17 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from importlib import resources
-from typing import Any
 
 import asyncpg
 
-from app.errors import DatabaseUnavailable
+from app import schema
+from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, describe
 from app.settings import Settings
 
 log = logging.getLogger("cronlock.db")
 
 # A connection as queries see it: a plain one (CLI, LISTEN) or one borrowed from the pool.
 Conn = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
-
-# Errors that mean "the database cannot serve us now", as opposed to a bug in a query.
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    TimeoutError,
-    asyncpg.exceptions.ConnectionDoesNotExistError,
-    asyncpg.exceptions.InterfaceError,
-    asyncpg.exceptions.CannotConnectNowError,
-    asyncpg.exceptions.TooManyConnectionsError,
-    asyncpg.exceptions.AdminShutdownError,
-    asyncpg.exceptions.CrashShutdownError,
-    asyncpg.exceptions.ConnectionFailureError,
-    asyncpg.exceptions.InvalidAuthorizationSpecificationError,
-    asyncpg.exceptions.InvalidCatalogNameError,
-    asyncpg.exceptions.ProtocolViolationError,
-    asyncpg.exceptions.InternalClientError,
-)
-
-
-def describe(exc: BaseException) -> str:
-    """A short reason for a client or a log line: the kind of failure, never a stack trace."""
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
-        return "too many connections"
-    if isinstance(exc, asyncpg.exceptions.CannotConnectNowError):
-        return "database is starting up or shutting down"
-    if isinstance(
-        exc, asyncpg.exceptions.AdminShutdownError | asyncpg.exceptions.CrashShutdownError
-    ):
-        return "database connection terminated"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, asyncpg.exceptions.ConnectionDoesNotExistError):
-        return "connection lost"
-    if isinstance(exc, OSError):
-        return f"network error: {exc.strerror or type(exc).__name__}"
-    if isinstance(exc, asyncpg.PostgresError):
-        return f"database error {exc.sqlstate}"
-    return type(exc).__name__
 
 
 def terminate(conn: Conn) -> None:
@@ -176,74 +134,6 @@ async def connect(settings: Settings, dsn: str | None = None) -> asyncpg.Connect
     return conn
 
 
-# --- migrations ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Migration:
-    version: int
-    name: str
-    sql: str
-
-
-def migrations() -> list[Migration]:
-    """The numbered `.sql` files shipped in `app/migrations`, in order."""
-    found = []
-    for entry in (resources.files("app") / "migrations").iterdir():
-        if entry.name.endswith(".sql"):
-            number, _, rest = entry.name.partition("_")
-            found.append(Migration(int(number), rest.removesuffix(".sql"), entry.read_text()))
-    found.sort(key=lambda m: m.version)
-    return found
-
-
-MIGRATION_LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtextextended('cronlock:migrate', 0))"
-MIGRATION_TABLE_SQL = """
-CREATE TABLE IF NOT EXISTS cronlock_migrations (
-    version    integer PRIMARY KEY,
-    name       text        NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-)
-"""
-
-
-async def migrate(conn: Conn) -> list[str]:
-    """Apply the pending migrations in one transaction; returns the names applied.
-
-    The transaction-level advisory lock makes N instances booting together migrate once:
-    the others wait for it, then find nothing left to do.
-    """
-    applied: list[str] = []
-    async with conn.transaction():
-        await conn.execute(MIGRATION_LOCK_SQL)
-        await conn.execute(MIGRATION_TABLE_SQL)
-        done = {r["version"] for r in await conn.fetch("SELECT version FROM cronlock_migrations")}
-        for m in migrations():
-            if m.version in done:
-                continue
-            await conn.execute(m.sql)
-            await conn.execute(
-                "INSERT INTO cronlock_migrations (version, name) VALUES ($1, $2)", m.version, m.name
-            )
-            applied.append(f"{m.version:04d}_{m.name}")
-            log.info("applied migration %04d_%s", m.version, m.name)
-    return applied
-
-
-async def pending_migrations(conn: Conn) -> list[int]:
-    """Versions shipped with this code that the database has not applied yet."""
-    exists = await conn.fetchval("SELECT to_regclass('cronlock_migrations') IS NOT NULL")
-    done: set[int] = set()
-    if exists:
-        done = {r["version"] for r in await conn.fetch("SELECT version FROM cronlock_migrations")}
-    return [m.version for m in migrations() if m.version not in done]
-
-
-def as_json(value: Any) -> Any:
-    """Round-trip through JSON so a job's return value is stored exactly as clients see it."""
-    return json.loads(json.dumps(value))
-
-
 class Database:
     """The pool and what the service knows about the server behind it.
 
@@ -259,6 +149,12 @@ class Database:
         self.migrated = False
         self.standby = False
         self.problem: str | None = "database not checked yet"
+        # Said on /readyz while the instance serves: migrations newer than this code.
+        self.note: str | None = None
+        # The last migration failure, said on /readyz until a migration run succeeds.
+        self.migration_error: str | None = None
+        # The migrations this deployment applies: cronlock's, then its job modules'.
+        self.migration_sets = schema.migration_sets(settings.job_modules)
         self._checking: asyncio.Future[str | None] | None = None
 
     async def open(self) -> None:
@@ -339,19 +235,27 @@ class Database:
             with deadline(conn, self.settings.db_query_timeout):
                 self.standby = bool(await conn.fetchval("SELECT pg_is_in_recovery()"))
             if apply_migrations and not self.standby and not self.migrated:
-                await migrate(conn)
+                await self.migrate(conn)
             with deadline(conn, self.settings.db_query_timeout):
-                pending = await pending_migrations(conn)
-            self.migrated = not pending
+                found = await schema.status(conn, self.settings.db_schema, self.migration_sets)
+            pending = [m.label for m in found.pending]
+            self.migrated = not pending and not found.legacy
+            self.note = found.note
             if self.standby:
                 self.problem = (
                     "database is a standby (pg_is_in_recovery): advisory locks taken there do "
                     "not coordinate with the primary, so jobs are refused"
                 )
+            elif found.legacy:
+                self.problem = "cronlock 0.1's tables in public are not moved yet: run migrate"
+            elif pending and self.migration_error is not None:
+                self.problem = self.migration_error
             elif pending:
-                self.problem = f"migrations not applied: {pending}"
+                self.problem = "migrations not applied: " + ", ".join(pending)
             else:
                 self.problem = None
+        except schema.MigrationError as exc:
+            self.problem = self.migration_error = exc.reason
         except DatabaseUnavailable as exc:
             self.problem = exc.reason
         except CONNECTION_ERRORS as exc:
@@ -363,6 +267,18 @@ class Database:
         finally:
             await self.release(conn)
         return self.problem
+
+    async def migrate(self, conn: Conn) -> list[str]:
+        """Apply this deployment's pending migrations (not bounded by DB_QUERY_TIMEOUT: one may
+        rightly take long, an index on a big table; MIGRATE_LOCK_TIMEOUT bounds lock waits)."""
+        applied = await schema.migrate(
+            conn,
+            self.settings.db_schema,
+            self.migration_sets,
+            lock_timeout=self.settings.migrate_lock_timeout,
+        )
+        self.migration_error = None
+        return applied
 
     def require_ready(self) -> None:
         """Jobs run only once migrations are current; reachability is found out per request."""
@@ -391,11 +307,25 @@ class Database:
         self.require_ready()
 
     async def watch(self, stop: asyncio.Event) -> None:
-        """Re-check the server: quickly until it is ready, then now and then (a primary can be
-        demoted, a standby promoted)."""
-        interval = self.settings.migrate_retry_interval
+        """Re-check the server: soon after a problem, backing off while it lasts (a migration
+        that fails fails the same way until someone acts), then now and then when ready (a
+        primary can be demoted, a standby promoted). A problem is logged when it changes."""
+        first = self.settings.migrate_retry_interval
+        delay = first
+        logged: str | None = None
         while not stop.is_set():
             problem = await self.check(apply_migrations=self.settings.migrate_on_start)
-            delay = interval if problem else max(interval, 10.0)
+            if problem != logged:
+                if problem is not None:
+                    log.warning("database not ready: %s", problem)
+                elif logged is not None:
+                    log.info("database ready")
+                logged = problem
+            if problem is None:
+                delay = first
+                wait = max(first, 10.0)
+            else:
+                wait = delay
+                delay = min(delay * 2, self.settings.migrate_retry_max)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+                await asyncio.wait_for(stop.wait(), wait)

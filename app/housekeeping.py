@@ -1,7 +1,7 @@
 """Built-in housekeeping jobs (in the default CRON_JOBS; drop `app.housekeeping` from it to opt
 out).
 
-`ledger-prune` keeps `cron_runs` to LEDGER_RETENTION_DAYS and closes `running` rows that no
+`ledger-prune` keeps `<DB_SCHEMA>.runs` to LEDGER_RETENTION_DAYS and closes `running` rows that no
 lock stands behind any more (their instance died) as `abandoned`. It runs in its own job
 transaction like any job, so a prune that fails rolls back whole. It opts into catching up: a
 missed night is made up once, as soon as an instance notices (pruning late is harmless).
@@ -13,18 +13,15 @@ from typing import Any
 
 from app import ledger
 from app.jobs import JobContext, job
-from app.settings import Settings
 
 
 @job("ledger-prune", schedule="17 3 * * *", tz="UTC", timeout=300, grace=6 * 3600, catch_up=True)
 async def ledger_prune(ctx: JobContext) -> dict[str, Any]:
     """Delete finished runs older than LEDGER_RETENTION_DAYS; close abandoned `running` rows."""
-    # A job gets no settings of its own: read them as the service did, from the environment
-    # (and .env), which is where a deployment sets them.
-    settings = Settings()
+    settings = ctx.settings
     # Sweep first, so a row abandoned long ago is also old enough to go in the same run.
-    abandoned = await ledger.close_abandoned(ctx.conn, settings.lock_namespace)
-    pruned = await ledger.prune(ctx.conn, settings.ledger_retention_days * 86400.0)
+    abandoned = await ledger.close_abandoned(ctx.conn, ctx.schema, settings.lock_namespace)
+    pruned = await ledger.prune(ctx.conn, ctx.schema, settings.ledger_retention_days * 86400.0)
     return {
         "pruned": pruned,
         "abandoned": len(abandoned),

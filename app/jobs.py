@@ -23,8 +23,9 @@ from pydantic import BaseModel
 
 from app.db import Conn
 from app.errors import JobDefinitionError
-from app.lock import lock_key
+from app.lock import LockKey, job_lock, lock_key
 from app.schedule import Schedule, ScheduleError
+from app.settings import Settings
 
 RESERVED_NAMES = frozenset({"jobs", "runs", "locks"})
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -44,6 +45,13 @@ class JobContext:
     params: Any  # an instance of the job's params model, or None
     trigger: Trigger
     instance: str
+    # The service's settings: a job reads its configuration here, not from the environment.
+    settings: Settings
+
+    @property
+    def schema(self) -> str:
+        """cronlock's schema (DB_SCHEMA), for a job that writes cronlock's tables itself."""
+        return self.settings.db_schema
 
 
 JobFunc = Callable[[JobContext], Coroutine[Any, Any, Any]]
@@ -136,6 +144,7 @@ class Registry(Mapping[str, Job]):
 
     jobs: dict[str, Job] = field(default_factory=dict)
     namespace: int = 0
+    schema: str = "cronlock"
 
     def __getitem__(self, name: str) -> Job:
         return self.jobs[name]
@@ -147,7 +156,11 @@ class Registry(Mapping[str, Job]):
         return len(self.jobs)
 
     def key(self, name: str) -> int:
-        return lock_key(name, self.namespace).key
+        return self.lock(name).key
+
+    def lock(self, name: str) -> LockKey:
+        """The job's advisory lock key (see app/lock.py)."""
+        return lock_key(job_lock(self.schema, name), self.namespace)
 
     def by_key(self) -> dict[int, str]:
         return {self.key(name): name for name in self.jobs}
@@ -161,12 +174,13 @@ class Registry(Mapping[str, Job]):
             if key in seen:
                 raise JobDefinitionError(
                     f"jobs {seen[key]!r} and {name!r} have the same lock key {key} in "
-                    f"namespace {self.namespace}: rename one or change LOCK_NAMESPACE"
+                    f"namespace {self.namespace} of schema {self.schema}: rename one or change "
+                    "LOCK_NAMESPACE"
                 )
             seen[key] = name
 
 
-def load(modules: list[str], namespace: int = 0) -> Registry:
+def load(modules: list[str], namespace: int = 0, schema: str = "cronlock") -> Registry:
     """Import the job modules and collect the jobs they declare."""
     for module in modules:
         try:
@@ -178,6 +192,6 @@ def load(modules: list[str], namespace: int = 0) -> Registry:
         for name, j in _DECLARED.items()
         if any(j.module == m or j.module.startswith(m + ".") for m in modules)
     }
-    registry = Registry(dict(sorted(chosen.items())), namespace)
+    registry = Registry(dict(sorted(chosen.items())), namespace, schema)
     registry.check_keys()
     return registry

@@ -1,4 +1,4 @@
-"""The run ledger (`cron_runs`): the only module that speaks SQL about runs.
+"""The run ledger (`<DB_SCHEMA>.runs`): the only module that speaks SQL about runs.
 
 Timestamps come from the database clock: `now()` inside the lock transaction,
 `clock_timestamp()` for when a run finished.
@@ -13,6 +13,7 @@ from typing import Any
 import asyncpg
 
 from app.db import Conn
+from app.sql import qualify
 
 COLUMNS = (
     "id, job, slot, status, trigger, source, instance, backend_pid, started_at, finished_at,"
@@ -41,23 +42,6 @@ class Run:
     def from_record(cls, r: asyncpg.Record) -> Run:
         return cls(**dict(r.items()))
 
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "job": self.job,
-            "slot": iso(self.slot),
-            "status": self.status,
-            "trigger": self.trigger,
-            "source": self.source,
-            "instance": self.instance,
-            "started_at": iso(self.started_at),
-            "finished_at": iso(self.finished_at),
-            "duration_ms": self.duration_ms,
-            "params": self.params,
-            "result": self.result,
-            "error": self.error,
-        }
-
 
 def iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
@@ -65,19 +49,19 @@ def iso(value: datetime | None) -> str | None:
 
 ALREADY_DONE_SQL = """
 SELECT EXISTS (
-    SELECT 1 FROM cron_runs
+    SELECT 1 FROM {schema}.runs
     WHERE job = $1 AND slot = $2 AND status = 'succeeded'
       AND trigger IN ('scheduled', 'backfill')
 )
 """
 
 
-async def already_done(conn: Conn, job: str, slot: datetime) -> bool:
-    return bool(await conn.fetchval(ALREADY_DONE_SQL, job, slot))
+async def already_done(conn: Conn, schema: str, job: str, slot: datetime) -> bool:
+    return bool(await conn.fetchval(qualify(ALREADY_DONE_SQL, schema), job, slot))
 
 
 START_SQL = """
-INSERT INTO cron_runs (job, slot, trigger, source, instance, backend_pid, started_at, params)
+INSERT INTO {schema}.runs (job, slot, trigger, source, instance, backend_pid, started_at, params)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
 RETURNING id
 """
@@ -85,6 +69,7 @@ RETURNING id
 
 async def start(
     conn: Conn | asyncpg.Pool,
+    schema: str,
     *,
     job: str,
     slot: datetime | None,
@@ -98,14 +83,22 @@ async def start(
     """Record a run as `running`, committed at once (outside the lock transaction), so that a
     run in progress can be followed, and a run whose instance died is visible afterwards."""
     run_id = await conn.fetchval(
-        START_SQL, job, slot, trigger, source, instance, backend_pid, started_at, params
+        qualify(START_SQL, schema),
+        job,
+        slot,
+        trigger,
+        source,
+        instance,
+        backend_pid,
+        started_at,
+        params,
     )
     assert isinstance(run_id, int)
     return run_id
 
 
 SUCCEED_SQL = """
-UPDATE cron_runs
+UPDATE {schema}.runs
 SET status = 'succeeded', finished_at = clock_timestamp(), result = $2,
     duration_ms = extract(epoch FROM clock_timestamp() - started_at) * 1000
 WHERE id = $1
@@ -113,41 +106,43 @@ RETURNING duration_ms
 """
 
 
-async def succeed(conn: Conn, run_id: int, result: Any) -> float:
+async def succeed(conn: Conn, schema: str, run_id: int, result: Any) -> float:
     """Mark the run succeeded inside the job's own transaction: it commits with the job's
     effects or not at all."""
-    duration = await conn.fetchval(SUCCEED_SQL, run_id, result)
+    duration = await conn.fetchval(qualify(SUCCEED_SQL, schema), run_id, result)
     return float(duration or 0.0)
 
 
 FINISH_SQL = """
-UPDATE cron_runs
+UPDATE {schema}.runs
 SET status = $2, error = $3, finished_at = clock_timestamp(),
     duration_ms = extract(epoch FROM clock_timestamp() - started_at) * 1000
 WHERE id = $1 AND status IN ('running', 'abandoned')
 """
 
 
-async def finish(conn: Conn | asyncpg.Pool, run_id: int, status: str, error: str | None) -> None:
+async def finish(
+    conn: Conn | asyncpg.Pool, schema: str, run_id: int, status: str, error: str | None
+) -> None:
     """Record a run that did not succeed, in its own short transaction, after the rollback.
 
     A `succeeded` row never changes: if the job's commit did reach the database after all, it
     stays. An `abandoned` one does: the sweeper may have guessed between our rollback and
     this update, and the instance that ran the job knows better.
     """
-    await conn.execute(FINISH_SQL, run_id, status, error)
+    await conn.execute(qualify(FINISH_SQL, schema), run_id, status, error)
 
 
-GET_SQL = f"SELECT {COLUMNS} FROM cron_runs WHERE id = $1"
+GET_SQL = f"SELECT {COLUMNS} FROM {{schema}}.runs WHERE id = $1"
 
 
-async def get(conn: Conn | asyncpg.Pool, run_id: int) -> Run | None:
-    row = await conn.fetchrow(GET_SQL, run_id)
+async def get(conn: Conn | asyncpg.Pool, schema: str, run_id: int) -> Run | None:
+    row = await conn.fetchrow(qualify(GET_SQL, schema), run_id)
     return Run.from_record(row) if row is not None else None
 
 
 LIST_SQL = f"""
-SELECT {COLUMNS} FROM cron_runs
+SELECT {COLUMNS} FROM {{schema}}.runs
 WHERE ($1::text IS NULL OR job = $1)
   AND ($2::text IS NULL OR status = $2)
   AND ($3::bigint IS NULL OR id < $3)
@@ -158,6 +153,7 @@ LIMIT $4
 
 async def list_runs(
     conn: Conn | asyncpg.Pool,
+    schema: str,
     *,
     job: str | None = None,
     status: str | None = None,
@@ -165,43 +161,27 @@ async def list_runs(
     limit: int = 50,
 ) -> list[Run]:
     """Newest first; `before` is the cursor (a run id) for the next page."""
-    rows = await conn.fetch(LIST_SQL, job, status, before, limit)
+    rows = await conn.fetch(qualify(LIST_SQL, schema), job, status, before, limit)
     return [Run.from_record(r) for r in rows]
 
 
 LAST_RUNS_SQL = f"""
-SELECT DISTINCT ON (job) {COLUMNS} FROM cron_runs
+SELECT DISTINCT ON (job) {COLUMNS} FROM {{schema}}.runs
 WHERE job = ANY($1::text[]) AND status <> 'running'
 ORDER BY job, id DESC
 """
 
 
-async def last_runs(conn: Conn | asyncpg.Pool, jobs: list[str]) -> dict[str, Run]:
-    rows = await conn.fetch(LAST_RUNS_SQL, jobs)
+async def last_runs(conn: Conn | asyncpg.Pool, schema: str, jobs: list[str]) -> dict[str, Run]:
+    rows = await conn.fetch(qualify(LAST_RUNS_SQL, schema), jobs)
     return {r["job"]: Run.from_record(r) for r in rows}
-
-
-SUCCEEDED_SLOTS_SQL = """
-SELECT job, slot FROM cron_runs
-WHERE status = 'succeeded' AND trigger IN ('scheduled', 'backfill')
-  AND (job, slot) IN (SELECT * FROM unnest($1::text[], $2::timestamptz[]))
-"""
-
-
-async def succeeded_slots(
-    conn: Conn | asyncpg.Pool, pairs: list[tuple[str, datetime]]
-) -> set[tuple[str, datetime]]:
-    if not pairs:
-        return set()
-    rows = await conn.fetch(SUCCEEDED_SLOTS_SQL, [p[0] for p in pairs], [p[1] for p in pairs])
-    return {(r["job"], r["slot"]) for r in rows}
 
 
 # A `running` row whose backend holds the job's advisory lock no more was left by an instance
 # that died (kill -9, lost connection): its transaction rolled back, so nothing of it
 # persisted. Matching the backend too closes it even while a newer run holds the lock.
 ABANDON_SQL = """
-UPDATE cron_runs r
+UPDATE {schema}.runs r
 SET status = 'abandoned', finished_at = clock_timestamp(),
     error = 'the instance running it went away; its transaction rolled back'
 WHERE r.status = 'running'
@@ -211,7 +191,7 @@ WHERE r.status = 'running'
       WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
         AND ((l.classid::bigint << 32) | l.objid::bigint)
-            = hashtextextended(r.job, $1)
+            = hashtextextended($4 || ':' || r.job, $1)  -- lock.job_lock($4, r.job)
         AND (r.backend_pid IS NULL OR l.pid = r.backend_pid)
   )
   AND ($2::text IS NULL OR r.job = $2)
@@ -221,24 +201,25 @@ RETURNING r.id
 
 async def close_abandoned(
     conn: Conn | asyncpg.Pool,
+    schema: str,
     namespace: int,
     job: str | None = None,
     min_age: float = 1.0,
 ) -> list[int]:
     """Close `running` rows whose lock is gone; `min_age` spares a run whose row was committed
     a moment before its lock transaction was seen."""
-    rows = await conn.fetch(ABANDON_SQL, namespace, job, min_age)
+    rows = await conn.fetch(qualify(ABANDON_SQL, schema), namespace, job, min_age, schema)
     return [r["id"] for r in rows]
 
 
 PRUNE_SQL = """
-DELETE FROM cron_runs
+DELETE FROM {schema}.runs
 WHERE status <> 'running' AND started_at < now() - make_interval(days => 0, secs => $1)
 """
 
 
-async def prune(conn: Conn | asyncpg.Pool, retention_seconds: float) -> int:
-    status = await conn.execute(PRUNE_SQL, retention_seconds)
+async def prune(conn: Conn | asyncpg.Pool, schema: str, retention_seconds: float) -> int:
+    status = await conn.execute(qualify(PRUNE_SQL, schema), retention_seconds)
     return int(status.split()[-1])
 
 
@@ -247,41 +228,46 @@ async def prune(conn: Conn | asyncpg.Pool, retention_seconds: float) -> int:
 # The newest slot each job has a counted success for; the partial unique index on
 # (job, slot) makes this an index scan.
 LAST_SUCCEEDED_SQL = """
-SELECT job, max(slot) AS slot FROM cron_runs
+SELECT job, max(slot) AS slot FROM {schema}.runs
 WHERE job = ANY($1::text[]) AND status = 'succeeded' AND trigger IN ('scheduled', 'backfill')
 GROUP BY job
 """
 
 
-async def last_succeeded_slots(conn: Conn | asyncpg.Pool, jobs: list[str]) -> dict[str, datetime]:
+async def last_succeeded_slots(
+    conn: Conn | asyncpg.Pool, schema: str, jobs: list[str]
+) -> dict[str, datetime]:
     """The newest slot with a succeeded scheduled or backfill run, per job (manual runs do not
     count, as for "already done")."""
-    rows = await conn.fetch(LAST_SUCCEEDED_SQL, jobs)
+    rows = await conn.fetch(qualify(LAST_SUCCEEDED_SQL, schema), jobs)
     return {r["job"]: r["slot"] for r in rows if r["slot"] is not None}
 
 
 RUNNING_BY_PID_SQL = """
-SELECT backend_pid, id FROM cron_runs
+SELECT backend_pid, id FROM {schema}.runs
 WHERE status = 'running' AND backend_pid = ANY($1::int[])
 ORDER BY id
 """
 
 
-async def running_by_pid(conn: Conn | asyncpg.Pool, pids: list[int]) -> dict[int, int]:
+async def running_by_pid(conn: Conn | asyncpg.Pool, schema: str, pids: list[int]) -> dict[int, int]:
     """The `running` row of each lock-holding backend: pid -> run id (the newest wins)."""
     if not pids:
         return {}
-    return {r["backend_pid"]: r["id"] for r in await conn.fetch(RUNNING_BY_PID_SQL, pids)}
+    return {
+        r["backend_pid"]: r["id"]
+        for r in await conn.fetch(qualify(RUNNING_BY_PID_SQL, schema), pids)
+    }
 
 
 SLOT_ATTEMPTED_SQL = """
 SELECT EXISTS (
-    SELECT 1 FROM cron_runs
+    SELECT 1 FROM {schema}.runs
     WHERE job = $1 AND slot = $2 AND trigger IN ('scheduled', 'backfill')
 )
 """
 
 
-async def slot_attempted(conn: Conn | asyncpg.Pool, job: str, slot: datetime) -> bool:
+async def slot_attempted(conn: Conn | asyncpg.Pool, schema: str, job: str, slot: datetime) -> bool:
     """Whether any scheduled or backfill run, whatever its outcome, was made for this slot."""
-    return bool(await conn.fetchval(SLOT_ATTEMPTED_SQL, job, slot))
+    return bool(await conn.fetchval(qualify(SLOT_ATTEMPTED_SQL, schema), job, slot))

@@ -1,10 +1,15 @@
 """The transaction-level advisory lock and the derivation of its key: nothing else.
 
-Keys are `hashtextextended(job name, namespace)`, computed by the database in the lock
-statement. The same function is mirrored here (PostgreSQL's `hash_bytes_extended`, the
-little-endian variant every mainstream server runs) so that colliding job names are refused
-at start-up even while the database is down, and so that `pg_locks` rows can be mapped back to
-job names; `verify_keys` checks the mirror against the server once it is reachable.
+Keys are `hashtextextended('<DB_SCHEMA>:<job>', LOCK_NAMESPACE)`, computed by the database
+in the lock statement. Advisory locks belong to the whole database, not to a schema, so the
+schema is part of every key: two deployments with different schemas in one database never
+share a lock. cronlock's own locks (migrations, catch-up) are `'<DB_SCHEMA>::<what>'`: a job
+name has no ':', so no job can take one of them.
+
+The hash is mirrored here (PostgreSQL's `hash_bytes_extended`, the little-endian variant every
+mainstream server runs) so that colliding job names are refused at start-up even while the
+database is down, and so that `pg_locks` rows can be mapped back to job names; `verify_keys`
+checks the mirror against the server once it is reachable.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 import asyncpg
+
+from app.sql import qualify
 
 if TYPE_CHECKING:
     from app.db import Conn
@@ -114,11 +121,23 @@ class LockKey:
 
 
 def lock_key(name: str, namespace: int) -> LockKey:
+    """The key of a lock name (see `job_lock` and `internal_lock`)."""
     return LockKey(hashtextextended(name, namespace))
 
 
+def job_lock(schema: str, job: str) -> str:
+    """The text a job's lock key is hashed from."""
+    return f"{schema}:{job}"
+
+
+def internal_lock(schema: str, what: str) -> str:
+    """The text of one of cronlock's own locks (`migrate`, `catch-up`)."""
+    return f"{schema}::{what}"
+
+
 async def verify_keys(conn: Conn, names: list[str], namespace: int) -> dict[str, int]:
-    """The server's keys for `names`; differs from `lock_key` only on a big-endian server."""
+    """The server's keys for lock `names` (`job_lock` texts); differs from `lock_key` only on
+    a big-endian server."""
     rows = await conn.fetch(
         "SELECT n, hashtextextended(n, $2) AS k FROM unnest($1::text[]) AS n", names, namespace
     )
@@ -225,15 +244,16 @@ async def reset_session(
 # database, is the job's lock held right now (by anyone), and which is the newest slot that
 # already succeeded? It answers the common skips in one statement and never takes the lock
 # itself: a probe that briefly held it could make the one real attempt fail, and then nobody
-# would run the job. The statements live in the `cronlock_probe` function (migrations 0004
-# and 0005), whose plans the server keeps per connection: planning them at every trigger cost
+# would run the job. The statements live in the `<DB_SCHEMA>.probe` function (migration
+# 0003), whose plans the server keeps per connection: planning them at every trigger cost
 # more than running them (bench/trigger.py). A job without a schedule has no slot to be done:
 # the ledger is not read.
-PROBE_SQL = "SELECT db_now, standby, done_slot, running FROM cronlock_probe($1, $2, $3, $4, $5)"
+PROBE_SQL = "SELECT db_now, standby, done_slot, running FROM {schema}.probe($1, $2, $3, $4, $5)"
 
 
 async def probe(
     conn: Conn,
+    schema: str,
     name: str,
     key: LockKey,
     *,
@@ -245,6 +265,8 @@ async def probe(
     `running` is None when `done_hint` equals `done_slot`: the slot the caller expects is done
     (if the database's clock agrees), so the lock table was not read.
     """
-    row = await conn.fetchrow(PROBE_SQL, name, key.classid, key.objid, scheduled, done_hint)
+    row = await conn.fetchrow(
+        qualify(PROBE_SQL, schema), name, key.classid, key.objid, scheduled, done_hint
+    )
     assert row is not None
     return row

@@ -40,7 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings = settings or Settings()
         settings.check_secrets()
         settings.check_email()
-        registry = load(settings.job_modules, settings.lock_namespace)
+        registry = load(settings.job_modules, settings.lock_namespace, settings.db_schema)
     except (SettingsError, JobDefinitionError) as exc:
         if from_env:
             print(f"cronlock: cannot start: {exc}", file=sys.stderr)

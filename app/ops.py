@@ -29,11 +29,11 @@ from fastapi.responses import Response
 from pydantic import BaseModel, PlainSerializer
 
 from app import ledger, outbox
-from app.db import CONNECTION_ERRORS, Conn, describe
+from app.db import Conn
 from app.deps import DatabaseDep, RegistryDep, RunnerDep, SettingsDep, error
-from app.errors import DatabaseUnavailable, InvalidTrigger
+from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, InvalidTrigger, describe
 from app.jobs import Job, Registry
-from app.lock import LockKey, lock_key
+from app.lock import LockKey, internal_lock, lock_key
 from app.metrics import CONTENT_TYPE
 from app.runner import Outcome, Runner
 from app.schedule import ScheduleError
@@ -67,16 +67,14 @@ ORDER BY a.xact_start NULLS LAST, l.pid
 CANCEL_SQL = "SELECT pg_cancel_backend($1)"
 TERMINATE_SQL = "SELECT pg_terminate_backend($1)"
 
-# Serialises catch-up decisions across instances (see `catch_up`).
-CATCH_UP_LOCK = "cronlock:catch-up"
+# Serialises catch-up decisions across the instances of one deployment (see `catch_up`).
+CATCH_UP = "catch-up"
 CATCH_UP_LOCK_SQL = """
 SELECT set_config('idle_in_transaction_session_timeout', $3, true),
        pg_try_advisory_xact_lock(hashtextextended($1, $2)) AS locked,
        now() AS db_now
 """
 
-# Locks cronlock takes that are not jobs, so `locks` can name them too.
-INTERNAL_LOCKS = {"cronlock:migrate": "(migrations)"}
 
 SWEEP_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
 
@@ -198,8 +196,11 @@ def _instance(application_name: str | None) -> str | None:
 
 
 def _names(registry: Registry) -> dict[int, str]:
-    names = {lock_key(key, 0).key: label for key, label in INTERNAL_LOCKS.items()}
-    names[lock_key(CATCH_UP_LOCK, registry.namespace).key] = "(catch-up)"
+    # The locks cronlock takes that are not jobs, so `locks` can name them too.
+    names = {
+        lock_key(internal_lock(registry.schema, "migrate"), 0).key: "(migrations)",
+        lock_key(internal_lock(registry.schema, CATCH_UP), registry.namespace).key: "(catch-up)",
+    }
     names.update(registry.by_key())
     return names
 
@@ -209,7 +210,7 @@ async def locks(conn: Conn, registry: Registry) -> list[LockView]:
     rows = await conn.fetch(LOCKS_SQL)
     names = _names(registry)
     granted = [r["pid"] for r in rows if r["granted"]]
-    run_ids = await ledger.running_by_pid(conn, granted)
+    run_ids = await ledger.running_by_pid(conn, registry.schema, granted)
     found = []
     for r in rows:
         key = LockKey.from_pg_locks(r["classid"], r["objid"]).key
@@ -241,7 +242,7 @@ async def sweep(conn: Conn, settings: Settings, job: str | None = None) -> list[
     Best effort: on a standby or a read-only connection the rows simply stay for later.
     """
     try:
-        return await ledger.close_abandoned(conn, settings.lock_namespace, job)
+        return await ledger.close_abandoned(conn, settings.db_schema, settings.lock_namespace, job)
     except SWEEP_ERRORS as exc:
         log.debug("could not close abandoned runs: %s", describe(exc))
         return []
@@ -254,8 +255,8 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
         assert now is not None
     names = list(registry)
     holders = _holders(await locks(conn, registry), registry)
-    last = await ledger.last_runs(conn, names)
-    succeeded = await ledger.last_succeeded_slots(conn, names)
+    last = await ledger.last_runs(conn, registry.schema, names)
+    succeeded = await ledger.last_succeeded_slots(conn, registry.schema, names)
     views = []
     for job in registry.values():
         current = nxt = None
@@ -340,7 +341,9 @@ async def runs(
     limit: int = 50,
 ) -> RunsPage:
     """Newest first; one row more than asked tells whether there is a next page."""
-    found = await ledger.list_runs(conn, job=job, status=status, before=before, limit=limit + 1)
+    found = await ledger.list_runs(
+        conn, registry.schema, job=job, status=status, before=before, limit=limit + 1
+    )
     page, more = found[:limit], len(found) > limit
     held = _holders(await locks(conn, registry), registry)
     return RunsPage(
@@ -349,7 +352,7 @@ async def runs(
 
 
 async def run(conn: Conn, registry: Registry, run_id: int) -> RunView | None:
-    found = await ledger.get(conn, run_id)
+    found = await ledger.get(conn, registry.schema, run_id)
     if found is None:
         return None
     held = _holders(await locks(conn, registry), registry) if found.status == "running" else {}
@@ -420,7 +423,7 @@ async def catch_up(runner: Runner) -> list[Outcome]:
         async with db.connection(bounded=False) as conn, conn.transaction():
             row = await conn.fetchrow(
                 CATCH_UP_LOCK_SQL,
-                CATCH_UP_LOCK,
+                internal_lock(settings.db_schema, CATCH_UP),
                 settings.lock_namespace,
                 f"{int(longest * 1000)}ms",
             )
@@ -428,10 +431,14 @@ async def catch_up(runner: Runner) -> list[Outcome]:
             if not row["locked"]:
                 return []
             now: datetime = row["db_now"]
-            succeeded = await ledger.last_succeeded_slots(conn, [j.name for j in chosen])
+            succeeded = await ledger.last_succeeded_slots(
+                conn, settings.db_schema, [j.name for j in chosen]
+            )
             for job in chosen:
                 slot = missed_slot(job, now, succeeded.get(job.name), settings.backfill_window)
-                if slot is None or await ledger.slot_attempted(conn, job.name, slot):
+                if slot is None or await ledger.slot_attempted(
+                    conn, settings.db_schema, job.name, slot
+                ):
                     continue
                 log.info(
                     "catching up %s", job.name, extra={"job": job.name, "slot": slot.isoformat()}
@@ -466,11 +473,11 @@ async def catch_up_loop(runner: Runner, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), wait)
 
 
-async def outbox_stats(conn: Conn) -> dict[str, float] | None:
+async def outbox_stats(conn: Conn, schema: str) -> dict[str, float] | None:
     """The outbox's queue figures, or None where there is no outbox table (not migrated)."""
     try:
         async with conn.transaction():  # a savepoint: a missing table must not end ours
-            return await outbox.outbox_stats(conn)
+            return await outbox.outbox_stats(conn, schema)
     except asyncpg.UndefinedTableError:
         return None
 
@@ -574,14 +581,14 @@ async def get_metrics(runner: RunnerDep, db: DatabaseDep, registry: RegistryDep)
     try:
         async with db.connection() as conn, reading(conn):
             now: datetime = await conn.fetchval(NOW_SQL)
-            succeeded = await ledger.last_succeeded_slots(conn, list(registry))
+            succeeded = await ledger.last_succeeded_slots(conn, registry.schema, list(registry))
             overdue = {
                 j.name: is_overdue(j, now, succeeded.get(j.name))
                 for j in registry.values()
                 if j.schedule is not None
             }
             metrics.set_jobs(overdue, succeeded)
-            stats = await outbox_stats(conn)
+            stats = await outbox_stats(conn, registry.schema)
             if stats is not None:
                 metrics.set_outbox(stats)
         metrics.database_up.set(1)

@@ -1,8 +1,8 @@
 """The email outbox: enqueue in the caller's transaction; claim with SKIP LOCKED; deliver; retry.
 
-A job writes rows into `email_outbox` inside its own transaction, so a rollback takes its
-emails back with everything else. Senders (one loop per instance, plus `python -m app outbox
-drain` processes) then deliver them:
+A job writes rows into `<DB_SCHEMA>.email_outbox` inside its own transaction, so a rollback
+takes its emails back with everything else. Senders (one loop per instance, plus
+`python -m app outbox drain` processes) then deliver them:
 
 1. **claim** up to a batch of due rows in one short statement: `FOR UPDATE SKIP LOCKED`, a
    lease (`locked_until`, also written to `next_attempt_at` so a row whose sender died is due
@@ -36,7 +36,7 @@ from typing import Any, Literal
 import asyncpg
 
 from app import db
-from app.errors import DatabaseUnavailable
+from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, describe
 from app.mailer import (
     Email,
     Mailer,
@@ -46,14 +46,15 @@ from app.mailer import (
     max_send_time,
     pg_text,
 )
+from app.schema import notify_channel
 from app.settings import Settings
+from app.sql import qualify
 
 log = logging.getLogger("cronlock.outbox")
 
-# The channel a committed enqueue notifies; NOTIFY is delivered only at commit, so a sender
-# never wakes up for rows it cannot see yet.
-NOTIFY_CHANNEL = "cronlock_outbox"
-NOTIFY_SQL = f"SELECT pg_notify('{NOTIFY_CHANNEL}', '')"
+# The channel a committed enqueue notifies (`schema.notify_channel`: one per deployment);
+# NOTIFY is delivered only at commit, so a sender never wakes up for rows it cannot see yet.
+NOTIFY_SQL = "SELECT pg_notify($1, '')"
 
 # How often a running sender deletes sent rows older than the retention (OUTBOX_RETENTION_DAYS).
 PRUNE_INTERVAL = 3600.0
@@ -64,7 +65,7 @@ DEFAULT_RETRY_WINDOW: float = Settings.model_fields["outbox_retry_window"].defau
 
 # Errors that mean "the database cannot serve us now": wait and try again.
 DB_ERRORS: tuple[type[BaseException], ...] = (
-    *db.CONNECTION_ERRORS,
+    *CONNECTION_ERRORS,
     DatabaseUnavailable,
     asyncpg.PostgresError,
 )
@@ -80,7 +81,7 @@ def unavailable(exc: BaseException) -> bool:
     often it is tried."""
     if isinstance(exc, ValueError):
         return False
-    return isinstance(exc, (*db.CONNECTION_ERRORS, DatabaseUnavailable))
+    return isinstance(exc, (*CONNECTION_ERRORS, DatabaseUnavailable))
 
 
 Conn = db.Conn
@@ -92,20 +93,27 @@ Conn = db.Conn
 # of the same (job, slot, user) a no-op instead of an error that would abort the caller's
 # transaction. Only with both slot and user set: NULLs are distinct in a unique index, so a job
 # without a schedule (no slot) gets one row per call, as its runs are not once per anything.
-ENQUEUE_SQL = f"""
+ENQUEUE_SQL = """
 WITH queued AS (
-    INSERT INTO email_outbox (job, slot, user_id, sender, recipient, subject, body)
+    INSERT INTO {schema}.email_outbox (job, slot, user_id, sender, recipient, subject, body)
     VALUES ($1, $2, $3, $4, $5, $6, $7)
     ON CONFLICT DO NOTHING
     RETURNING id
 )
-SELECT pg_notify('{NOTIFY_CHANNEL}', '') FROM queued
+SELECT pg_notify($8, '') FROM queued
 """
+
+
+async def notify(conn: Conn, schema: str) -> None:
+    """Wake the senders once the caller's transaction commits (for a job that wrote outbox
+    rows itself, set-based)."""
+    await conn.execute(NOTIFY_SQL, notify_channel(schema))
 
 
 async def enqueue(
     conn: Conn,
     *,
+    schema: str,
     job: str,
     slot: datetime | None,
     user_id: int | None,
@@ -118,7 +126,17 @@ async def enqueue(
 
     The idempotency key is minted by the database and, with the payload, frozen in the row.
     """
-    await conn.execute(ENQUEUE_SQL, job, slot, user_id, sender, recipient, subject, body)
+    await conn.execute(
+        qualify(ENQUEUE_SQL, schema),
+        job,
+        slot,
+        user_id,
+        sender,
+        recipient,
+        subject,
+        body,
+        notify_channel(schema),
+    )
 
 
 # --- claim / mark / release -----------------------------------------------------------------
@@ -129,13 +147,13 @@ async def enqueue(
 CLAIM_SQL = """
 WITH due AS (
     SELECT id
-    FROM email_outbox
+    FROM {schema}.email_outbox
     WHERE status = 'pending' AND next_attempt_at <= now()
     ORDER BY next_attempt_at, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
-UPDATE email_outbox AS o
+UPDATE {schema}.email_outbox AS o
 SET claim_token = $2,
     locked_until = clock_timestamp() + make_interval(secs => $3),
     next_attempt_at = clock_timestamp() + make_interval(secs => $3),
@@ -151,7 +169,7 @@ RETURNING o.id, o.idempotency_key, o.sender, o.recipient, o.subject, o.body, o.a
 # fall after max_attempts or outside the key's retry window is dead instead, decided by the
 # database's clock.
 MARK_SQL = """
-UPDATE email_outbox AS o
+UPDATE {schema}.email_outbox AS o
 SET status = CASE
         WHEN r.outcome = 'sent' THEN 'sent'
         WHEN r.outcome = 'dead' THEN 'dead'
@@ -184,7 +202,7 @@ RETURNING o.id, o.status
 # Give rows back before their lease ends (shutdown, or a lease too short to start a send).
 # A row never sent does not count as an attempt.
 RELEASE_SQL = """
-UPDATE email_outbox
+UPDATE {schema}.email_outbox
 SET next_attempt_at = now(), locked_until = NULL, claim_token = NULL,
     attempts = attempts - CASE WHEN $3 THEN 0 ELSE 1 END
 WHERE id = ANY($1::bigint[]) AND claim_token = $2 AND status = 'pending'
@@ -218,11 +236,11 @@ class Outcome:
     error: str | None = None
 
 
-async def claim(conn: Conn, *, limit: int, lease: float) -> Claim:
+async def claim(conn: Conn, *, schema: str, limit: int, lease: float) -> Claim:
     """Claim up to `limit` due rows for `lease` seconds under a new claim token."""
     token = uuid.uuid4()
     started = time.monotonic()
-    records = await conn.fetch(CLAIM_SQL, limit, token, lease)
+    records = await conn.fetch(qualify(CLAIM_SQL, schema), limit, token, lease)
     rows = [
         Row(
             id=r["id"],
@@ -248,6 +266,7 @@ async def mark(
     token: uuid.UUID,
     results: Sequence[tuple[int, Outcome]],
     *,
+    schema: str,
     max_attempts: int,
     retry_window: float,
 ) -> dict[int, str]:
@@ -256,6 +275,7 @@ async def mark(
     return await mark_many(
         conn,
         [(token, row_id, outcome) for row_id, outcome in results],
+        schema=schema,
         max_attempts=max_attempts,
         retry_window=retry_window,
     )
@@ -265,6 +285,7 @@ async def mark_many(
     conn: Conn,
     results: Sequence[tuple[uuid.UUID, int, Outcome]],
     *,
+    schema: str,
     max_attempts: int,
     retry_window: float,
 ) -> dict[int, str]:
@@ -274,7 +295,7 @@ async def mark_many(
     # Values PostgreSQL would refuse (a NUL in a provider's answer, an interval out of range)
     # must not reach it: one of them fails the whole statement, the other rows' outcomes too.
     records = await conn.fetch(
-        MARK_SQL,
+        qualify(MARK_SQL, schema),
         max_attempts,
         retry_window,
         [token for token, _, _ in results],
@@ -296,12 +317,12 @@ def retry_delay(delay: float, retry_window: float) -> float:
 
 
 async def release(
-    conn: Conn, token: uuid.UUID, ids: Sequence[int], *, attempted: bool = False
+    conn: Conn, token: uuid.UUID, ids: Sequence[int], *, schema: str, attempted: bool = False
 ) -> int:
     """Make claimed rows due again now; `attempted` keeps the claim counted as an attempt."""
     if not ids:
         return 0
-    status = await conn.execute(RELEASE_SQL, list(ids), token, attempted)
+    status = await conn.execute(qualify(RELEASE_SQL, schema), list(ids), token, attempted)
     return int(status.split()[-1])
 
 
@@ -337,7 +358,7 @@ def backoff_delay(
 # row lock makes take-and-decrement atomic across processes. The sub-select sees the row as
 # locked, so a sender that waited for the lock computes from the winner's values.
 TAKE_TOKENS_SQL = """
-UPDATE email_outbox_rate AS r
+UPDATE {schema}.email_outbox_rate AS r
 SET (tokens, updated_at, granted) = (
     SELECT b.avail - g.n, c.ts, g.n
     FROM (SELECT clock_timestamp() AS ts) AS c
@@ -352,7 +373,7 @@ RETURNING r.granted, r.tokens
 """
 
 RETURN_TOKENS_SQL = """
-UPDATE email_outbox_rate SET tokens = least($2::float8, tokens + $1::float8) WHERE id
+UPDATE {schema}.email_outbox_rate SET tokens = least($2::float8, tokens + $1::float8) WHERE id
 """
 
 
@@ -363,12 +384,12 @@ class Tokens:
     wait: float
 
 
-async def take_tokens(conn: Conn, want: int, *, rate: float) -> Tokens:
+async def take_tokens(conn: Conn, want: int, *, schema: str, rate: float) -> Tokens:
     """Up to `want` sends under the global rate (per second, burst of one second's worth)."""
     if rate <= 0:
         return Tokens(want, 0.0)
     burst = max(1.0, rate)
-    row = await conn.fetchrow(TAKE_TOKENS_SQL, want, rate, burst)
+    row = await conn.fetchrow(qualify(TAKE_TOKENS_SQL, schema), want, rate, burst)
     if row is None:  # the bucket row is missing: never block delivery on it
         return Tokens(want, 0.0)
     granted = int(row["granted"])
@@ -376,9 +397,9 @@ async def take_tokens(conn: Conn, want: int, *, rate: float) -> Tokens:
     return Tokens(granted, wait)
 
 
-async def return_tokens(conn: Conn, count: int, *, rate: float) -> None:
+async def return_tokens(conn: Conn, count: int, *, schema: str, rate: float) -> None:
     if rate > 0 and count > 0:
-        await conn.execute(RETURN_TOKENS_SQL, count, max(1.0, rate))
+        await conn.execute(qualify(RETURN_TOKENS_SQL, schema), count, max(1.0, rate))
 
 
 # --- operations: dead rows, requeue, stats, retention --------------------------------------
@@ -417,16 +438,16 @@ class DeadRow:
 DEAD_SQL = """
 SELECT id, job, slot, user_id, recipient, subject, attempts, last_error, idempotency_key,
        key_created_at, created_at
-FROM email_outbox
+FROM {schema}.email_outbox
 WHERE status = 'dead'
 ORDER BY id
 LIMIT $1
 """
 
 
-async def dead_rows(conn: Conn, limit: int = 100) -> list[DeadRow]:
+async def dead_rows(conn: Conn, *, schema: str, limit: int = 100) -> list[DeadRow]:
     """Dead-lettered rows, oldest first, with the last error each one got."""
-    return [DeadRow(**dict(r.items())) for r in await conn.fetch(DEAD_SQL, limit)]
+    return [DeadRow(**dict(r.items())) for r in await conn.fetch(qualify(DEAD_SQL, schema), limit)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,7 +471,7 @@ class Requeued:
 # the caller is told. A younger key is kept, so a delivery that did go through is still
 # recognised by the provider; its window keeps running from when the key was made.
 REQUEUE_SQL = """
-UPDATE email_outbox AS o
+UPDATE {schema}.email_outbox AS o
 SET status = 'pending',
     attempts = 0,
     next_attempt_at = now(),
@@ -461,7 +482,7 @@ SET status = 'pending',
 FROM (
     SELECT id, idempotency_key AS previous_key,
            key_created_at < now() - make_interval(secs => $2) AS fresh
-    FROM email_outbox
+    FROM {schema}.email_outbox
     WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
 ) AS d
 WHERE o.id = d.id AND o.status = 'dead'
@@ -473,18 +494,19 @@ async def requeue(
     conn: Conn,
     ids: Sequence[int] | Literal["all"],
     *,
+    schema: str,
     retry_window: float = DEFAULT_RETRY_WINDOW,
 ) -> list[Requeued]:
     """Put dead rows back in the queue (attempts reset, due now). Pass `retry_window` from
     settings: keys older than it get a fresh key, reported as `new_key`."""
     selected = None if ids == "all" else list(ids)
-    records = await conn.fetch(REQUEUE_SQL, selected, retry_window)
+    records = await conn.fetch(qualify(REQUEUE_SQL, schema), selected, retry_window)
     found = [
         Requeued(r["id"], r["idempotency_key"], r["previous_key"], r["fresh"]) for r in records
     ]
     found.sort(key=lambda r: r.id)
     if found:
-        await conn.execute(NOTIFY_SQL)
+        await notify(conn, schema)
     return found
 
 
@@ -495,17 +517,17 @@ FROM (
            count(*) FILTER (WHERE next_attempt_at <= now()) AS due,
            coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)
                AS oldest_pending_seconds
-    FROM email_outbox
+    FROM {schema}.email_outbox
     WHERE status = 'pending'
 ) AS p,
-(SELECT count(*) AS dead FROM email_outbox WHERE status = 'dead') AS d
+(SELECT count(*) AS dead FROM {schema}.email_outbox WHERE status = 'dead') AS d
 """
 
 
-async def outbox_stats(conn: Conn) -> dict[str, float]:
+async def outbox_stats(conn: Conn, schema: str) -> dict[str, float]:
     """Queue health by the database's clock: pending (and due now), the oldest pending row's
     age in seconds, and dead rows."""
-    row = await conn.fetchrow(STATS_SQL)
+    row = await conn.fetchrow(qualify(STATS_SQL, schema))
     assert row is not None
     return {
         "pending": int(row["pending"]),
@@ -518,9 +540,9 @@ async def outbox_stats(conn: Conn) -> dict[str, float]:
 # Chunked so a big backlog never holds many row locks or one long transaction; SKIP LOCKED so
 # instances pruning at the same time do not queue behind each other.
 PRUNE_SQL = """
-DELETE FROM email_outbox
+DELETE FROM {schema}.email_outbox
 WHERE id IN (
-    SELECT id FROM email_outbox
+    SELECT id FROM {schema}.email_outbox
     WHERE status = 'sent' AND sent_at < now() - make_interval(secs => $1)
     LIMIT $2
     FOR UPDATE SKIP LOCKED
@@ -528,17 +550,21 @@ WHERE id IN (
 """
 
 
-async def prune_chunk(conn: Conn, retention_days: float, *, chunk: int = PRUNE_CHUNK) -> int:
+async def prune_chunk(
+    conn: Conn, retention_days: float, *, schema: str, chunk: int = PRUNE_CHUNK
+) -> int:
     """Delete up to `chunk` sent rows older than the retention; returns how many."""
-    status = await conn.execute(PRUNE_SQL, retention_days * 86400.0, chunk)
+    status = await conn.execute(qualify(PRUNE_SQL, schema), retention_days * 86400.0, chunk)
     return int(status.split()[-1])
 
 
-async def prune_sent(conn: Conn, retention_days: float, *, chunk: int = PRUNE_CHUNK) -> int:
+async def prune_sent(
+    conn: Conn, retention_days: float, *, schema: str, chunk: int = PRUNE_CHUNK
+) -> int:
     """Delete sent rows older than the retention; returns how many."""
     total = 0
     while True:
-        deleted = await prune_chunk(conn, retention_days, chunk=chunk)
+        deleted = await prune_chunk(conn, retention_days, schema=schema, chunk=chunk)
         total += deleted
         if deleted < chunk:
             return total
@@ -641,18 +667,25 @@ class Sender:
         s = self.settings
         while True:
             async with self._connection() as conn:
-                tokens = await take_tokens(conn, want, rate=s.outbox_rate_limit)
+                tokens = await take_tokens(conn, want, schema=s.db_schema, rate=s.outbox_rate_limit)
                 if tokens.granted:
                     try:
-                        batch = await claim(conn, limit=tokens.granted, lease=s.outbox_lease)
+                        batch = await claim(
+                            conn, schema=s.db_schema, limit=tokens.granted, lease=s.outbox_lease
+                        )
                     except BaseException:
                         await _quietly(
-                            return_tokens(conn, tokens.granted, rate=s.outbox_rate_limit)
+                            return_tokens(
+                                conn, tokens.granted, schema=s.db_schema, rate=s.outbox_rate_limit
+                            )
                         )
                         raise
                     # Tokens for rows that were not there go back: an idle poll costs nothing.
                     await return_tokens(
-                        conn, tokens.granted - len(batch.rows), rate=s.outbox_rate_limit
+                        conn,
+                        tokens.granted - len(batch.rows),
+                        schema=s.db_schema,
+                        rate=s.outbox_rate_limit,
                     )
                     self._held += len(batch.rows)
                     return batch
@@ -762,7 +795,7 @@ class Sender:
                         "could not record outbox row %s as %s: %s; it is retried after its lease",
                         row.id,
                         outcome.outcome,
-                        db.describe(exc),
+                        describe(exc),
                     )
                     return
                 await asyncio.sleep(min(1.0, s.outbox_poll_interval))
@@ -828,6 +861,7 @@ class Sender:
                 written = await mark_many(
                     conn,
                     [(token, row_id, outcome) for token, row_id, outcome, _ in group],
+                    schema=s.db_schema,
                     max_attempts=s.outbox_max_attempts,
                     retry_window=s.outbox_retry_window,
                 )
@@ -841,7 +875,7 @@ class Sender:
                 log.warning(
                     "outbox: %d outcomes written together failed (%s); writing them one at a time",
                     len(group),
-                    db.describe(exc),
+                    describe(exc),
                 )
                 for pending in group:
                     await self._write_group([pending])
@@ -854,12 +888,12 @@ class Sender:
                     "retried, the row comes back after its lease",
                     row_id,
                     outcome.outcome,
-                    db.describe(exc),
+                    describe(exc),
                     error_text(str(message)),
                     extra={"event": "outbox_outcome_refused", "row": row_id},
                 )
                 if not done.done():
-                    done.set_exception(OutcomeRefused(db.describe(exc)))
+                    done.set_exception(OutcomeRefused(describe(exc)))
             return
         for _, row_id, _, done in group:
             if not done.done():
@@ -869,13 +903,17 @@ class Sender:
         try:
             async with self._connection() as conn:
                 self.stats.released += await release(
-                    conn, batch.token, [row.id], attempted=attempted
+                    conn,
+                    batch.token,
+                    [row.id],
+                    schema=self.settings.db_schema,
+                    attempted=attempted,
                 )
         except DB_ERRORS as exc:
             log.warning(
                 "could not release outbox row %s (%s); it comes back after its lease",
                 row.id,
-                db.describe(exc),
+                describe(exc),
             )
 
     # -- the loop ----------------------------------------------------------------------------
@@ -967,14 +1005,18 @@ class Sender:
                 async with self._connection() as conn:
                     self._prune_conn = conn
                     try:
-                        chunk = await prune_chunk(conn, self.settings.outbox_retention_days)
+                        chunk = await prune_chunk(
+                            conn,
+                            self.settings.outbox_retention_days,
+                            schema=self.settings.db_schema,
+                        )
                     finally:
                         self._prune_conn = None
                 deleted += chunk
                 if chunk < PRUNE_CHUNK:
                     break
         except DB_ERRORS as exc:
-            log.debug("outbox prune stopped: %s", db.describe(exc))
+            log.debug("outbox prune stopped: %s", describe(exc))
         if deleted:
             log.info("outbox: pruned %d sent rows", deleted, extra={"event": "outbox_prune"})
 
@@ -1010,7 +1052,7 @@ class Sender:
                 elif not failing:
                     log.warning(
                         "outbox listener cannot connect: %s; polling goes on, retrying",
-                        db.describe(exc),
+                        describe(exc),
                     )
                 failing = True
                 await _wait_any(stop, within=self.settings.outbox_poll_interval)
@@ -1026,12 +1068,12 @@ class Sender:
 
             try:
                 conn.add_termination_listener(on_close)
-                await conn.add_listener(NOTIFY_CHANNEL, on_notify)
+                await conn.add_listener(notify_channel(self.settings.db_schema), on_notify)
                 # Anything committed while we were not listening is found by this poll.
                 self._wake.set()
                 await _wait_any(stop, lost)
             except DB_ERRORS as exc:
-                log.debug("outbox listener lost: %s", db.describe(exc))
+                log.debug("outbox listener lost: %s", describe(exc))
             finally:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(conn.close(), self.settings.db_connect_timeout)
@@ -1045,7 +1087,7 @@ class Sender:
 
     def _report_db_trouble(self, exc: BaseException) -> None:
         if not self._db_trouble:
-            log.warning("outbox: cannot claim rows: %s", db.describe(exc))
+            log.warning("outbox: cannot claim rows: %s", describe(exc))
         self._db_trouble = True
 
     def _report_db_ok(self) -> None:

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import asyncpg
 
 from app import ledger
-from app.db import CONNECTION_ERRORS, Conn, Database, deadline, describe, terminate
-from app.errors import DatabaseUnavailable, InvalidTrigger
+from app.db import Conn, Database, deadline, terminate
+from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, InvalidTrigger, describe
 from app.jobs import Job, JobContext, Registry, Trigger
-from app.lock import LockKey, lock_key, probe, reset_session, try_lock, verify_keys
+from app.lock import LockKey, job_lock, probe, reset_session, try_lock, verify_keys
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ class Runner:
         self.lock_slots = asyncio.Semaphore(max(1, settings.db_pool_max_size - 1))
         # Lock keys as computed here; checked against the server's once (see `_probe`).
         self.probe_keys: dict[str, LockKey] | None = {
-            name: lock_key(name, settings.lock_namespace) for name in registry
+            name: registry.lock(name) for name in registry
         }
         self._keys_checked = False
 
@@ -163,6 +163,7 @@ class Runner:
                         return None
                 row = await probe(
                     conn,
+                    self.settings.db_schema,
                     job.name,
                     self.probe_keys[job.name],
                     scheduled=job.schedule is not None,
@@ -197,8 +198,10 @@ class Runner:
 
     async def _check_keys(self, conn: Conn) -> None:
         assert self.probe_keys is not None
-        server = await verify_keys(conn, list(self.probe_keys), self.settings.lock_namespace)
-        if any(server[name] != key.key for name, key in self.probe_keys.items()):
+        schema = self.settings.db_schema
+        names = {name: job_lock(schema, name) for name in self.probe_keys}
+        server = await verify_keys(conn, list(names.values()), self.settings.lock_namespace)
+        if any(server[names[name]] != key.key for name, key in self.probe_keys.items()):
             # A big-endian server hashes differently: keep to the lock statement alone.
             log.warning("lock keys computed here differ from the server's; probe disabled")
             self.probe_keys = None
@@ -241,7 +244,7 @@ class Runner:
                 await tx.start()
                 row = await try_lock(
                     conn,
-                    job.name,
+                    job_lock(self.settings.db_schema, job.name),
                     self.settings.lock_namespace,
                     db_timeout=job.timeout + self.settings.db_timeout_margin,
                     client_check_interval=self.settings.db_client_check_interval,
@@ -259,6 +262,7 @@ class Runner:
             async with self.db.connection() as other:
                 run_id = await ledger.start(
                     other,
+                    self.settings.db_schema,
                     job=job.name,
                     slot=slot,
                     trigger=trigger,
@@ -279,6 +283,7 @@ class Runner:
                 params=params,
                 trigger=trigger,
                 instance=self.settings.instance_name,
+                settings=self.settings,
             )
             handed_over = True
             return _Lease(job, conn, tx, ctx)
@@ -317,7 +322,7 @@ class Runner:
             slot = job.schedule.slot_for(now, job.early_tolerance)
             if trigger == "manual":
                 return None, slot
-        if await ledger.already_done(conn, job.name, slot):
+        if await ledger.already_done(conn, self.settings.db_schema, job.name, slot):
             return "already done", slot
         late = job.max_lateness is not None and now - slot > timedelta(seconds=job.max_lateness)
         if trigger == "scheduled" and late:
@@ -379,7 +384,9 @@ class Runner:
                     client_check_interval=self.settings.db_client_check_interval,
                     server_version=self.db.server_version,
                 )
-                duration = await ledger.succeed(lease.conn, lease.ctx.run_id, result)
+                duration = await ledger.succeed(
+                    lease.conn, self.settings.db_schema, lease.ctx.run_id, result
+                )
                 await lease.tx.commit()
         except COMMIT_ERRORS as exc:
             # Whether the commit landed is unknown when the connection broke during it: the
@@ -410,7 +417,7 @@ class Runner:
     async def _record(self, run_id: int, status: str, error: str) -> None:
         try:
             async with self.db.connection() as conn:
-                await ledger.finish(conn, run_id, status, error)
+                await ledger.finish(conn, self.settings.db_schema, run_id, status, error)
         except Exception as exc:
             # The row stays `running` and is closed as `abandoned` once its lock is seen gone.
             log.warning("could not record run %s as %s: %s", run_id, status, describe(exc))

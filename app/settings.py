@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.schema import check_name
+
 # The value `.env.example` ships with: a service started with it must refuse, never run.
 PLACEHOLDER_SECRET = "change-me-to-a-random-string-of-32-or-more-characters"  # noqa: S105
 MIN_SECRET_LENGTH = 32
@@ -36,6 +38,9 @@ class Settings(BaseSettings):
     # A direct (not pooled) URL for LISTEN, which does not work through PgBouncer in
     # transaction mode; defaults to database_url.
     database_direct_url: str | None = None
+    # The PostgreSQL schema every cronlock object lives in (created by `migrate` if absent);
+    # two deployments with different schemas in one database are fully separate.
+    db_schema: str = "cronlock"
     # One more than the jobs that may run at once: a run also briefly needs a second
     # connection to record itself in the ledger.
     db_pool_max_size: int = Field(default=10, ge=2)
@@ -54,7 +59,12 @@ class Settings(BaseSettings):
     db_timeout_margin: float = Field(default=5.0, gt=0)
     db_client_check_interval: float = Field(default=1.0, ge=0)
     migrate_on_start: bool = True
+    # The first retry of a failed check or migration; it doubles per failure up to the max.
     migrate_retry_interval: float = Field(default=2.0, gt=0)
+    migrate_retry_max: float = Field(default=60.0, gt=0)
+    # A migration's statements wait at most this long for a lock the application holds
+    # (PostgreSQL's lock_timeout), rather than queueing the application's queries behind them.
+    migrate_lock_timeout: float = Field(default=10.0, gt=0)
     # Folder of the embedded PostgreSQL started by `python -m app serve` without DATABASE_URL.
     embedded_pg_dir: Path = Path("var/pg")
 
@@ -122,6 +132,11 @@ class Settings(BaseSettings):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (isinstance(v, str) and v == "")}
         return data
+
+    @field_validator("db_schema")
+    @classmethod
+    def _schema_name(cls, v: str) -> str:
+        return check_name(v)
 
     @field_validator("cron_secret", "cron_secret_previous", "cron_read_token", "metrics_token")
     @classmethod

@@ -28,8 +28,9 @@ import asyncpg
 import httpx
 
 from app.demo.digest import DIGEST_SQL, SENDER
-from app.outbox import NOTIFY_SQL
 from app.schedule import Schedule
+from app.schema import notify_channel
+from app.sql import qualify
 from bench.common import (
     PinnedInstance,
     Server,
@@ -62,20 +63,23 @@ PG_SETTINGS = {
     "effective_cache_size": "8GB",
 }
 
+SCHEMA = "cronlock"  # the default DB_SCHEMA, which the instances under test use
+
 LOAD_SQL = """
-INSERT INTO users (id, email, digest_enabled)
+INSERT INTO cronlock_demo.users (id, email, digest_enabled)
 SELECT g, 'user' || g || '@example.com', g % 10 <> 0
 FROM generate_series(1, $1::bigint) AS g
 """
 
 # The article's loop: one select, then an update and an enqueue per user.
 DUE_SQL = """
-SELECT id, email FROM users
+SELECT id, email FROM cronlock_demo.users
 WHERE digest_enabled AND (last_digest_at IS NULL OR last_digest_at < $1)
 """
-STAMP_SQL = "UPDATE users SET last_digest_at = now() WHERE id = $1"
+STAMP_SQL = "UPDATE cronlock_demo.users SET last_digest_at = now() WHERE id = $1"
 ENQUEUE_SQL = """
-INSERT INTO email_outbox (idempotency_key, job, slot, user_id, sender, recipient, subject, body)
+INSERT INTO cronlock.email_outbox (idempotency_key, job, slot, user_id, sender, recipient,
+                                   subject, body)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
 ON CONFLICT (job, slot, user_id) DO NOTHING
 """
@@ -102,8 +106,10 @@ async def load(server: Server, users: int) -> str:
     conn = await asyncpg.connect(server.dsn(name), statement_cache_size=0)
     try:
         await conn.execute(LOAD_SQL, users)
-        await conn.execute("SELECT setval(pg_get_serial_sequence('users', 'id'), $1)", users)
-        await conn.execute("VACUUM (FREEZE, ANALYZE) users")
+        await conn.execute(
+            "SELECT setval(pg_get_serial_sequence('cronlock_demo.users', 'id'), $1)", users
+        )
+        await conn.execute("VACUUM (FREEZE, ANALYZE) cronlock_demo.users")
     finally:
         await conn.close()
     return name
@@ -124,7 +130,7 @@ async def fresh_copy(server: Server, template: str) -> tuple[str, datetime]:
 async def count_queued(dsn: str) -> int:
     conn = await asyncpg.connect(dsn, statement_cache_size=0)
     try:
-        found: int = await conn.fetchval("SELECT count(*) FROM email_outbox")
+        found: int = await conn.fetchval("SELECT count(*) FROM cronlock.email_outbox")
         return found
     finally:
         await conn.close()
@@ -144,11 +150,13 @@ def psql_binary(server: Server) -> str:
 def floor_script(slot: datetime) -> str:
     """The digest's own statement with its parameters as literals, in one transaction."""
     body = (
-        DIGEST_SQL.replace("$1", f"'{slot.isoformat()}'::timestamptz")
+        qualify(DIGEST_SQL, SCHEMA)
+        .replace("$1", f"'{slot.isoformat()}'::timestamptz")
         .replace("$2", f"'{JOB}'")
         .replace("$3", "'" + SENDER.replace("'", "''") + "'")
     )
-    return f"BEGIN;\n{body.strip()};\n{NOTIFY_SQL};\nCOMMIT;\n"
+    notify = f"SELECT pg_notify('{notify_channel(SCHEMA)}', '')"
+    return f"BEGIN;\n{body.strip()};\n{notify};\nCOMMIT;\n"
 
 
 async def run_floor(server: Server, template: str, users: int) -> Result:
@@ -230,7 +238,7 @@ async def run_loop(server: Server, template: str, users: int, *, cache: int) -> 
                         subject,
                         BODY.format(email=user["email"]),
                     )
-                await conn.execute(NOTIFY_SQL)
+                await conn.execute("SELECT pg_notify($1, '')", notify_channel(SCHEMA))
             seconds = asyncio.get_running_loop().time() - start
         finally:
             await conn.close()

@@ -46,7 +46,7 @@ from tests.support.provider import Provider
 ROOT = Path(__file__).resolve().parent.parent
 
 QUEUE_SQL = """
-INSERT INTO email_outbox (job, slot, user_id, sender, recipient, subject, body)
+INSERT INTO cronlock.email_outbox (job, slot, user_id, sender, recipient, subject, body)
 SELECT 'bench', now(), g, 'cronlock <digest@example.com>', 'user' || g || '@example.com',
        'Your daily digest', 'Hello user ' || g || E',\\n\\nhere is what happened.\\n'
 FROM generate_series(1, $1::int) AS g
@@ -119,7 +119,9 @@ async def run_one(server: Server, template: str, senders: int, args: argparse.Na
             workers = [start_worker(env) for _ in range(senders)]
             # Bounded: a tenth of the ideal rate would still finish well within this.
             deadline = time.monotonic() + 10 * args.seconds + 30
-            while await conn.fetchval("SELECT count(*) FROM email_outbox WHERE status <> 'sent'"):
+            while await conn.fetchval(
+                "SELECT count(*) FROM cronlock.email_outbox WHERE status <> 'sent'"
+            ):
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{senders} sender(s) did not drain {emails} emails in time")
                 if any(w.poll() is not None for w in workers):

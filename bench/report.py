@@ -113,7 +113,7 @@ older than 1.21 sits in between.
 **Digest.** The HTTP run is the floor's speed: one statement, no rows in Python (peak RSS
 does not move). Per user the cost is PostgreSQL's own writing: a new version of the user row
 (the update cannot be HOT: `last_digest_at` is indexed by `users_digest_due`) and a new
-outbox row, their index entries (three on `users`, four on `email_outbox`) and the WAL for
+outbox row, their index entries (three on `users`, four on `cronlock.email_outbox`) and the WAL for
 all of it. Two changes took about a fifth off (12.8 to 10.1 µs per user): what is the same
 for every row (the key's prefix, the subject) is computed once, and the insert is a plain
 one, not `ON CONFLICT DO NOTHING` (a speculative insertion per row), since the due filter and

@@ -100,7 +100,9 @@ async def storm(
 async def proof(dsn: str) -> dict[str, Any]:
     conn = await asyncpg.connect(dsn, statement_cache_size=0)
     try:
-        runs = await conn.fetch("SELECT status, trigger, slot FROM cron_runs WHERE job = $1", JOB)
+        runs = await conn.fetch(
+            "SELECT status, trigger, slot FROM cronlock.runs WHERE job = $1", JOB
+        )
         effects = await conn.fetchval("SELECT count(*) FROM bench_effects WHERE job = $1", JOB)
     finally:
         await conn.close()

@@ -41,6 +41,7 @@ import asyncpg
 import httpx
 
 from app.cluster import PgBouncer
+from app.lock import job_lock
 from bench.common import (
     PERCENTILES,
     PinnedInstance,
@@ -106,7 +107,7 @@ async def holding_locks(dsn: str, jobs: tuple[str, ...]) -> AsyncIterator[None]:
         tx = conn.transaction()
         await tx.start()
         for name in jobs:
-            await conn.execute(HOLD_LOCK_SQL, name)
+            await conn.execute(HOLD_LOCK_SQL, job_lock("cronlock", name))
         yield
         await tx.rollback()
     finally:
@@ -253,7 +254,7 @@ async def verify_ledger(dsn: str) -> None:
     """No run of a locked job; one run (the priming one) of each done job."""
     conn = await asyncpg.connect(dsn, statement_cache_size=0)
     try:
-        found = await conn.fetch("SELECT job, count(*) AS n FROM cron_runs GROUP BY job")
+        found = await conn.fetch("SELECT job, count(*) AS n FROM cronlock.runs GROUP BY job")
     finally:
         await conn.close()
     rows: dict[str, int] = {r["job"]: r["n"] for r in found}

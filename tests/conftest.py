@@ -87,14 +87,15 @@ def pg_server() -> Iterator[PostgresServer]:
 @pytest.fixture(scope="session")
 async def template_database(pg_server: PostgresServer) -> AsyncIterator[str]:
     """A database migrated once per session, cloned by `database_url` for every test."""
-    from app.db import migrate
+    from app.schema import migrate, migration_sets
 
     name = unique_name("cronlock_template")
     admin = pg_server.dsn("postgres")
     await create_database(admin, name)
     conn = await asyncpg.connect(pg_server.dsn(name), statement_cache_size=0)
     try:
-        await migrate(conn)
+        # cronlock's and the demo's (tests load app.demo.digest too), as instances would.
+        await migrate(conn, "cronlock", migration_sets(["app.demo.digest"]))
     finally:
         await conn.close()
     yield name

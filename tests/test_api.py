@@ -94,7 +94,7 @@ async def test_unknown_job_404_and_wrong_method_405(instance: Any, client: Any) 
     assert r.status_code == 404
     assert r.json()["error"] == "unknown job"
     tricky_paths = (
-        "fast;DROP TABLE cron_runs",
+        "fast;DROP TABLE cronlock.runs",
         "..%2F..%2Fetc%2Fpasswd",
         "fast'--",
         "a/b/c",

@@ -216,7 +216,7 @@ async def test_commands_give_up_on_a_statement_that_never_answers(
     monkeypatch.setenv("DB_QUERY_TIMEOUT", "1")
     commands = (["jobs"], ["runs"], ["outbox", "dead"], ["outbox", "requeue", "--all"])
     async with db.transaction():
-        await db.execute("LOCK TABLE cron_runs, email_outbox IN ACCESS EXCLUSIVE MODE")
+        await db.execute("LOCK TABLE cronlock.runs, cronlock.email_outbox IN ACCESS EXCLUSIVE MODE")
         for args in commands:
             started = time.monotonic()
             result = await run_cli(capsys, *args)
@@ -364,8 +364,8 @@ async def test_outbox_dead_and_requeue(
 ) -> None:
     ids = [
         await db.fetchval(
-            """INSERT INTO email_outbox (job, slot, user_id, sender, recipient, subject, body,
-                                         status, attempts, last_error)
+            """INSERT INTO cronlock.email_outbox (job, slot, user_id, sender, recipient, subject,
+                                                  body, status, attempts, last_error)
                VALUES ('daily-digest', now(), $1, 's@x', $2, 'subject', 'body', $3, 12,
                        'HTTP 422 invalid recipient') RETURNING id""",
             n,
@@ -387,7 +387,7 @@ async def test_outbox_dead_and_requeue(
     assert f"not dead (left alone): {ids[2]}" in one.err
     rest = await run_cli(capsys, "outbox", "requeue", "--all", "--json")
     assert [r["id"] for r in rest.json()["requeued"]] == [ids[1]]
-    statuses = await db.fetch("SELECT status, attempts FROM email_outbox ORDER BY id")
+    statuses = await db.fetch("SELECT status, attempts FROM cronlock.email_outbox ORDER BY id")
     assert [(r["status"], r["attempts"]) for r in statuses] == [("pending", 0)] * 2 + [
         ("pending", 12)
     ]

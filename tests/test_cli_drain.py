@@ -16,7 +16,7 @@ async def test_drain_once_sends_everything_due_and_exits(
     database_url: str, db: asyncpg.Connection
 ) -> None:
     await db.execute(
-        """INSERT INTO email_outbox (job, slot, user_id, sender, recipient, subject, body)
+        """INSERT INTO cronlock.email_outbox (job, slot, user_id, sender, recipient, subject, body)
            SELECT 'daily-digest', now(), g, 'a@example.com', 'u' || g || '@example.com', 's', 'b'
            FROM generate_series(1, 25) g"""
     )
@@ -38,6 +38,6 @@ async def test_drain_once_sends_everything_due_and_exits(
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    sent = await db.fetchval("SELECT count(*) FROM email_outbox WHERE status = 'sent'")
+    sent = await db.fetchval("SELECT count(*) FROM cronlock.email_outbox WHERE status = 'sent'")
     assert sent == 25
     assert TEST_SECRET not in done.stdout + done.stderr

@@ -294,7 +294,7 @@ async def _not(check: Any) -> bool:
 async def mid_job(db: asyncpg.Connection, job: str) -> bool:
     """The job holds its lock and its run is recorded: it is running its own statements."""
     recorded = await db.fetchval(
-        "SELECT EXISTS (SELECT 1 FROM cron_runs WHERE job = $1 AND status = 'running')", job
+        "SELECT EXISTS (SELECT 1 FROM cronlock.runs WHERE job = $1 AND status = 'running')", job
     )
     return bool(recorded) and await lock_held(db, job)
 

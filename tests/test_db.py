@@ -15,12 +15,13 @@ import asyncpg
 import httpx
 import pytest
 
-from app.db import MIGRATION_LOCK_SQL, Database, migrations
+from app.db import Database
 from app.embedded import LocalPostgres, free_port, start_standby
 from app.errors import DatabaseUnavailable, JobDefinitionError
 from app.jobs import Job, Registry, job, load
 from app.lock import hashtextextended, lock_key, probe
 from app.runner import Runner
+from app.schema import LOCK_SQL, cronlock_migrations, migrate_lock
 from app.settings import Settings
 from tests.util import AUTH, post, runs, wait_for
 
@@ -60,23 +61,23 @@ async def test_probe_reads_the_lock_unless_the_hinted_slot_is_done(
     try:
         async with other.transaction():
             await other.execute("SELECT pg_advisory_xact_lock(hashtextextended('yearly', 0))")
-            row = await probe(db, name, key)
+            row = await probe(db, "cronlock", name, key)
             assert (row["running"], row["done_slot"], row["standby"]) == (True, None, False)
             await db.execute(
-                """INSERT INTO cron_runs (job, slot, status, trigger, instance)
+                """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
                    VALUES ('yearly', $1, 'succeeded', 'scheduled', 'earlier')""",
                 slot,
             )
             # The hinted slot is done: the lock table is not read.
-            row = await probe(db, name, key, done_hint=slot)
+            row = await probe(db, "cronlock", name, key, done_hint=slot)
             assert (row["running"], row["done_slot"]) == (None, slot)
             # A hint for another slot (an instance clock a tick off) reads it.
-            row = await probe(db, name, key, done_hint=slot + timedelta(days=365))
+            row = await probe(db, "cronlock", name, key, done_hint=slot + timedelta(days=365))
             assert (row["running"], row["done_slot"]) == (True, slot)
             # A job without a schedule: no ledger look, the lock only.
-            row = await probe(db, name, key, scheduled=False, done_hint=slot)
+            row = await probe(db, "cronlock", name, key, scheduled=False, done_hint=slot)
             assert (row["running"], row["done_slot"]) == (True, None)
-        row = await probe(db, name, key, done_hint=slot + timedelta(days=365))
+        row = await probe(db, "cronlock", name, key, done_hint=slot + timedelta(days=365))
         assert row["running"] is False
     finally:
         await other.close()
@@ -98,7 +99,7 @@ async def test_a_wrong_hint_costs_speed_never_a_decision(
     registry = load(settings.job_modules)
     job = registry["minutely"]
     await db.execute(
-        """INSERT INTO cron_runs (job, slot, status, trigger, instance)
+        """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
            VALUES ('minutely', date_trunc('minute', now()) - interval '1 minute',
                    'succeeded', 'scheduled', 'earlier')"""
     )
@@ -108,7 +109,9 @@ async def test_a_wrong_hint_costs_speed_never_a_decision(
     try:
         runner = LaggingRunner(settings, registry, database)
         async with other.transaction():
-            await other.execute("SELECT pg_advisory_xact_lock(hashtextextended('minutely', 0))")
+            await other.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended('cronlock:minutely', 0))"
+            )
             held = await runner.trigger(job)
             assert (held.kind, held.reason) == ("skipped", "already running")
         ran = await runner.trigger(job)
@@ -136,11 +139,14 @@ async def test_a_trigger_waits_for_migrations_at_most_the_query_timeout(
     """Another instance mid-migration holds the migration lock: a trigger arriving before this
     instance has seen the database ready answers 503 after DB_QUERY_TIMEOUT instead of queueing
     behind the migration for as long as it takes; once the lock goes, the shared check ends."""
+    # The probe's migration is pending, as after an upgrade of the code.
+    await db.execute("DROP FUNCTION cronlock.probe")
+    await db.execute("DELETE FROM cronlock.migrations WHERE module = 'cronlock' AND version = 3")
     database = Database(make_settings(db_query_timeout=1.0))
     await database.open()
     try:
         async with db.transaction():
-            await db.execute(MIGRATION_LOCK_SQL)
+            await db.execute(LOCK_SQL, migrate_lock("cronlock"))
             started = time.monotonic()
             with pytest.raises(DatabaseUnavailable, match="did not finish within 1 s"):
                 await database.ensure_ready()
@@ -177,10 +183,13 @@ async def test_instances_booting_together_migrate_once(
                 await wait_for(ready, 20, "instances to be ready")
         conn = await asyncpg.connect(url)
         try:
-            rows = await conn.fetch("SELECT version FROM cronlock_migrations ORDER BY version")
+            rows = await conn.fetch(
+                "SELECT module, version FROM cronlock.migrations ORDER BY module, version"
+            )
         finally:
             await conn.close()
-        assert [r["version"] for r in rows] == [m.version for m in migrations()]
+        expected = [("cronlock", m.version) for m in cronlock_migrations().migrations]
+        assert [(r["module"], r["version"]) for r in rows] == expected
         for instance in instances:
             instance.kill()
     finally:

@@ -30,7 +30,7 @@ async def test_each_user_gets_exactly_one_email_per_slot(
     start_instance: Starter, provider: Provider, db: asyncpg.Connection
 ) -> None:
     await db.execute(
-        """INSERT INTO users (email, digest_enabled)
+        """INSERT INTO cronlock_demo.users (email, digest_enabled)
            SELECT 'u' || g || '@example.com', g % 10 <> 0 FROM generate_series(1, $1) g""",
         USERS,
     )
@@ -53,7 +53,9 @@ async def test_each_user_gets_exactly_one_email_per_slot(
             assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
 
         async def all_sent() -> bool:
-            pending = await db.fetchval("SELECT count(*) FROM email_outbox WHERE status <> 'sent'")
+            pending = await db.fetchval(
+                "SELECT count(*) FROM cronlock.email_outbox WHERE status <> 'sent'"
+            )
             return len(provider.accepted_keys()) >= ENABLED and pending == 0
 
         await wait_for(all_sent, 60, "every digest email to be delivered")
@@ -64,5 +66,5 @@ async def test_each_user_gets_exactly_one_email_per_slot(
     assert len(recipients) == ENABLED
     assert set(recipients.values()) == {1}
     assert all(r.headers["authorization"] == "Bearer re_test_key" for r in provider.requests)
-    runs = await db.fetch("SELECT status, result FROM cron_runs WHERE job = 'daily-digest'")
+    runs = await db.fetch("SELECT status, result FROM cronlock.runs WHERE job = 'daily-digest'")
     assert [r["status"] for r in runs] == ["succeeded"]

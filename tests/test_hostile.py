@@ -265,7 +265,7 @@ async def test_invalid_json_is_422(
 
 
 TRICKY_NAMES = [
-    "fast;DROP TABLE cron_runs",
+    "fast;DROP TABLE cronlock.runs",
     "fast'--",
     "fast' OR '1'='1",
     'fast"; SELECT pg_sleep(10); --',
@@ -295,6 +295,6 @@ async def test_tricky_job_names_are_404_and_run_nothing(
             # A name the route pattern cannot match at all (a newline) gets the plain 404.
             assert r.json()["error"] in ("unknown job", "Not Found"), (name, r.text)
         assert_no_leak(r)
-    assert await db.fetchval("SELECT count(*) FROM cron_runs") == 0
+    assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 0
     assert await effects(db) == 0
     await settle(db, cluster)

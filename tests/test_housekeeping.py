@@ -30,7 +30,7 @@ async def client() -> Any:
 
 async def seed(db: asyncpg.Connection, job: str, status: str, age: timedelta) -> int:
     run_id = await db.fetchval(
-        """INSERT INTO cron_runs (job, status, trigger, instance, backend_pid, started_at)
+        """INSERT INTO cronlock.runs (job, status, trigger, instance, backend_pid, started_at)
            VALUES ($1, $2, 'scheduled', 'seeded', 999999, now() - $3::interval) RETURNING id""",
         job,
         status,
@@ -75,7 +75,7 @@ async def test_ledger_prune_keeps_the_retention_and_closes_abandoned_rows(
         "keeper",
     )
     assert prune["result"] == {"pruned": 3, "abandoned": 2, "retention_days": 30.0}
-    left = {r["id"]: r["status"] for r in await db.fetch("SELECT id, status FROM cron_runs")}
+    left = {r["id"]: r["status"] for r in await db.fetch("SELECT id, status FROM cronlock.runs")}
     assert left == {young_ok: "succeeded", young_running: "abandoned", prune["id"]: "succeeded"}
     assert not {old_ok, old_failed, old_running} & set(left)
 
@@ -113,7 +113,7 @@ async def test_a_missed_slot_is_caught_up_once_across_instances(
 
     # The instances keep looking, every CATCH_UP_INTERVAL: a slot whose attempt is gone from
     # the ledger (deleted by hand) is missed again, and made up once more.
-    await db.execute("DELETE FROM cron_runs WHERE job = 'catch-up-daily'")
+    await db.execute("DELETE FROM cronlock.runs WHERE job = 'catch-up-daily'")
     await wait_for(caught_up, 5, "the slot to be caught up again")
     await asyncio.sleep(1.5)
     assert len(await runs(db, "catch-up-daily")) == 1
@@ -132,7 +132,7 @@ async def test_an_attempted_slot_is_not_caught_up(
     now: datetime = await db.fetchval("SELECT now()")
     due = ops.due_slot(job, now)
     await db.execute(
-        """INSERT INTO cron_runs (job, slot, status, trigger, instance)
+        """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
            VALUES ('catch-up-daily', $1, 'failed', 'scheduled', 'earlier')""",
         due,
     )

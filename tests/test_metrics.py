@@ -62,8 +62,8 @@ async def sleeping_in_sql(db: asyncpg.Connection) -> bool:
 
 async def seed_outbox(db: asyncpg.Connection) -> None:
     await db.execute(
-        """INSERT INTO email_outbox (job, slot, user_id, sender, recipient, subject, body, status,
-                                     created_at)
+        """INSERT INTO cronlock.email_outbox (job, slot, user_id, sender, recipient, subject,
+                                              body, status, created_at)
            VALUES ('daily-digest', now(), 1, 's@x', 'a@x', 's', 'b', 'pending',
                    now() - interval '90 seconds'),
                   ('daily-digest', now(), 2, 's@x', 'b@x', 's', 'b', 'pending', now()),

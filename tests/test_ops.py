@@ -16,10 +16,9 @@ import pytest
 
 from app import ops
 from app.jobs import load
-from app.lock import lock_key
 from app.schedule import Schedule
 from tests.support import TEST_SECRET
-from tests.util import AUTH, lock_held, post, runs, wait_for
+from tests.util import AUTH, job_key, lock_held, post, runs, wait_for
 
 Starter = Callable[..., Any]
 
@@ -66,7 +65,7 @@ async def seed_run(
     age: timedelta = timedelta(minutes=1),
 ) -> int:
     run_id = await db.fetchval(
-        """INSERT INTO cron_runs (job, slot, status, trigger, instance, backend_pid, started_at,
+        """INSERT INTO cronlock.runs (job, slot, status, trigger, instance, backend_pid, started_at,
                                   finished_at)
            VALUES ($1, $2, $3, $4, $5, 999999, now() - $6::interval,
                    CASE WHEN $3 = 'running' THEN NULL ELSE now() END)
@@ -136,7 +135,9 @@ async def test_locks_maps_keys_to_jobs_in_this_database_only(
     elsewhere = await asyncpg.connect(pg_server.dsn("postgres"), statement_cache_size=0)
     try:
         # The same key as a job of ours, but in another database: not ours to show.
-        await elsewhere.execute("SELECT pg_advisory_lock(hashtextextended('fast', 0))", timeout=5)
+        await elsewhere.execute(
+            "SELECT pg_advisory_lock(hashtextextended('cronlock:fast', 0))", timeout=5
+        )
         # Someone else's lock in this database: shown, not mapped to a job.
         await db.execute("SELECT pg_advisory_lock(12345)")
         my_pid = await db.fetchval("SELECT pg_backend_pid()")
@@ -151,8 +152,8 @@ async def test_locks_maps_keys_to_jobs_in_this_database_only(
         await db.execute("SELECT pg_advisory_unlock_all()")
 
     by_key = {lk["key"]: lk for lk in found}
-    assert str(lock_key("fast", 0).key) not in by_key
-    slow_key = lock_key("slow-sql", 0)
+    assert str(job_key("fast").key) not in by_key
+    slow_key = job_key("slow-sql")
     slow = by_key[str(slow_key.key)]
     assert (slow["classid"], slow["objid"]) == (slow_key.classid, slow_key.objid)
     [row] = await runs(db, "slow-sql")

@@ -32,7 +32,9 @@ from app import outbox
 from app.demo.digest import DIGEST_SQL, SENDER
 from app.errors import DatabaseUnavailable
 from app.mailer import Email, HttpMailer, SendResult, SmtpMailer
+from app.schema import notify_channel
 from app.settings import Settings
+from app.sql import qualify
 from tests.support.provider import Provider, Reply
 from tests.support.smtp import SlowRelay
 
@@ -43,7 +45,7 @@ MakeSettings = Callable[..., Settings]
 
 # Set-based, like the digest job: the idempotency key comes from the column's default.
 QUEUE_SQL = """
-INSERT INTO email_outbox (job, slot, user_id, sender, recipient, subject, body)
+INSERT INTO cronlock.email_outbox (job, slot, user_id, sender, recipient, subject, body)
 SELECT 'test', '2026-01-01T07:00:00Z', g, 'cronlock <digest@example.com>',
        'user' || g || '@example.com', 'Digest ' || g, 'Hello user ' || g || E',\\nbye.\\n'
 FROM generate_series($1::int, $2::int) AS g
@@ -54,7 +56,8 @@ async def queue(conn: asyncpg.Connection, count: int, first: int = 1) -> list[st
     """Queue `count` emails; returns their keys."""
     await conn.execute(QUEUE_SQL, first, first + count - 1)
     rows = await conn.fetch(
-        "SELECT idempotency_key FROM email_outbox WHERE user_id BETWEEN $1 AND $2 ORDER BY id",
+        "SELECT idempotency_key FROM cronlock.email_outbox WHERE user_id BETWEEN $1 AND $2"
+        " ORDER BY id",
         first,
         first + count - 1,
     )
@@ -64,7 +67,7 @@ async def queue(conn: asyncpg.Connection, count: int, first: int = 1) -> list[st
 async def row(conn: asyncpg.Connection, key: str) -> asyncpg.Record:
     found = await conn.fetchrow(
         """SELECT *, extract(epoch FROM next_attempt_at - clock_timestamp())::float8 AS due_in
-           FROM email_outbox WHERE idempotency_key = $1""",
+           FROM cronlock.email_outbox WHERE idempotency_key = $1""",
         key,
     )
     assert found is not None
@@ -72,7 +75,9 @@ async def row(conn: asyncpg.Connection, key: str) -> asyncpg.Record:
 
 
 async def make_due(conn: asyncpg.Connection) -> None:
-    await conn.execute("UPDATE email_outbox SET next_attempt_at = now() WHERE status = 'pending'")
+    await conn.execute(
+        "UPDATE cronlock.email_outbox SET next_attempt_at = now() WHERE status = 'pending'"
+    )
 
 
 async def until(
@@ -92,7 +97,9 @@ async def until(
 
 
 async def counts(conn: asyncpg.Connection) -> Counter[str]:
-    rows = await conn.fetch("SELECT status, count(*) AS n FROM email_outbox GROUP BY status")
+    rows = await conn.fetch(
+        "SELECT status, count(*) AS n FROM cronlock.email_outbox GROUP BY status"
+    )
     return Counter({r["status"]: r["n"] for r in rows})
 
 
@@ -165,7 +172,7 @@ async def test_enqueue_belongs_to_the_callers_transaction(
     """Rolled back with the job, notified only at commit, once per (job, slot, user)."""
     heard: list[str] = []
     listener = await asyncpg.connect(database_url)
-    await listener.add_listener(outbox.NOTIFY_CHANNEL, lambda *a: heard.append(a[2]))
+    await listener.add_listener(notify_channel("cronlock"), lambda *a: heard.append(a[2]))
     try:
         email: dict[str, Any] = {
             "job": "digest",
@@ -178,20 +185,22 @@ async def test_enqueue_belongs_to_the_callers_transaction(
         }
         tx = db.transaction()
         await tx.start()
-        await outbox.enqueue(db, **email)
+        await outbox.enqueue(db, schema="cronlock", **email)
         await tx.rollback()
-        assert await db.fetchval("SELECT count(*) FROM email_outbox") == 0
+        assert await db.fetchval("SELECT count(*) FROM cronlock.email_outbox") == 0
 
         slot = await db.fetchval("SELECT date_trunc('day', now())")
         async with db.transaction():
-            await outbox.enqueue(db, **{**email, "slot": slot})
+            await outbox.enqueue(db, schema="cronlock", **{**email, "slot": slot})
             await asyncio.sleep(0.1)
             assert heard == []  # NOTIFY waits for the commit
         await until(lambda: heard, 2, "the notification")
         async with db.transaction():
-            await outbox.enqueue(db, **{**email, "slot": slot})  # the same slot again: no-op
-        key = await db.fetchval("SELECT idempotency_key FROM email_outbox")
-        assert await db.fetchval("SELECT count(*) FROM email_outbox") == 1
+            await outbox.enqueue(
+                db, schema="cronlock", **{**email, "slot": slot}
+            )  # the same slot again: no-op
+        key = await db.fetchval("SELECT idempotency_key FROM cronlock.email_outbox")
+        assert await db.fetchval("SELECT count(*) FROM cronlock.email_outbox") == 1
         assert uuid.UUID(key)
     finally:
         await listener.close()
@@ -213,7 +222,7 @@ async def test_drain_delivers_and_marks_sent(
         handled = [await s.drain_once() for _ in range(3)]
     assert handled == [20, 10, 0]
     assert provider.delivered() == Counter(dict.fromkeys(keys, 1))
-    rows = await db.fetch("SELECT * FROM email_outbox ORDER BY id")
+    rows = await db.fetch("SELECT * FROM cronlock.email_outbox ORDER BY id")
     ids = {r.key: r.message_id for r in provider.requests}
     for r in rows:
         assert r["status"] == "sent"
@@ -312,7 +321,7 @@ async def test_mark_makes_values_postgresql_would_refuse_writable(
     """`mark` itself never sends PostgreSQL a NUL or an interval out of range; a delay past
     the retry window is the end of the window (the row is dead, as it would be anyway)."""
     await queue(db, 5)
-    batch = await outbox.claim(db, limit=10, lease=60.0)
+    batch = await outbox.claim(db, schema="cronlock", limit=10, lease=60.0)
     ids = [r.id for r in batch.rows]
     outcomes = [
         outbox.Outcome("sent", message_id="msg\x00_1"),
@@ -322,10 +331,15 @@ async def test_mark_makes_values_postgresql_would_refuse_writable(
         outbox.Outcome("retry", delay=math.nan, error="HTTP 503"),
     ]
     written = await outbox.mark(
-        db, batch.token, list(zip(ids, outcomes, strict=True)), max_attempts=12, retry_window=3600
+        db,
+        batch.token,
+        list(zip(ids, outcomes, strict=True)),
+        schema="cronlock",
+        max_attempts=12,
+        retry_window=3600,
     )
     assert [written[i] for i in ids] == ["sent", "pending", "dead", "dead", "dead"]
-    rows = {r["id"]: r for r in await db.fetch("SELECT * FROM email_outbox")}
+    rows = {r["id"]: r for r in await db.fetch("SELECT * FROM cronlock.email_outbox")}
     assert rows[ids[0]]["provider_message_id"] == "msg_1"
     assert rows[ids[1]]["last_error"] == "HTTP 502: badgateway"
     assert rows[ids[2]]["last_error"] == "HTTP 429 (retry window ended)"
@@ -344,7 +358,7 @@ async def test_an_outcome_the_database_refuses_is_left_to_its_lease(
     keys = await queue(db, 4)
     poisoned = keys[2]
     await db.execute(
-        """ALTER TABLE email_outbox ADD CONSTRAINT no_poison
+        """ALTER TABLE cronlock.email_outbox ADD CONSTRAINT no_poison
            CHECK (last_error IS NULL OR last_error NOT LIKE '%poison%')"""
     )
     provider.script(poisoned, Reply(500, body="poison"))
@@ -355,7 +369,7 @@ async def test_an_outcome_the_database_refuses_is_left_to_its_lease(
         assert await _drain_all_at_once(s, provider, 4) == 4
         assert time.monotonic() - started < 3
         assert (s.stats.sent, s.stats.unwritten) == (3, 1)
-    rows = {r["idempotency_key"]: r for r in await db.fetch("SELECT * FROM email_outbox")}
+    rows = {r["idempotency_key"]: r for r in await db.fetch("SELECT * FROM cronlock.email_outbox")}
     assert {k: rows[k]["status"] for k in keys} == {
         **dict.fromkeys(keys, "sent"),
         poisoned: "pending",
@@ -443,7 +457,7 @@ async def test_permanent_failure_is_dead_at_once(
     assert r["last_error"] == 'HTTP 422: {"message": "invalid to"}'
     assert (await row(db, other))["status"] == "sent"
     assert len(provider.for_key(key)) == 1
-    stats = await outbox.outbox_stats(db)
+    stats = await outbox.outbox_stats(db, "cronlock")
     assert (stats["pending"], stats["dead"]) == (0, 1)
 
 
@@ -469,7 +483,7 @@ async def test_dead_when_the_retry_window_ends(
     """A retry may not fall after the key's window; a key already past it is never sent."""
     [closing, expired] = await queue(db, 2)
     await db.execute(
-        """UPDATE email_outbox SET key_created_at = now() - CASE idempotency_key
+        """UPDATE cronlock.email_outbox SET key_created_at = now() - CASE idempotency_key
                WHEN $1 THEN interval '59 seconds' ELSE interval '61 seconds' END""",
         closing,
     )
@@ -493,7 +507,7 @@ async def test_a_row_that_keeps_killing_its_sender_goes_dead(
     """Claims count as attempts: a row claimed max_attempts times without an outcome (its
     senders died) is dead-lettered instead of sent again."""
     [key] = await queue(db, 1)
-    await db.execute("UPDATE email_outbox SET attempts = 3")
+    await db.execute("UPDATE cronlock.email_outbox SET attempts = 3")
     async with sender(outbox_settings(outbox_max_attempts=3)) as s:
         assert await s.drain_once() == 1
     r = await row(db, key)
@@ -508,17 +522,18 @@ async def test_requeue(
     """Dead rows go back to the queue; a key past the window is replaced, and it says so."""
     [recent, old, untouched] = await queue(db, 3)
     await db.execute(
-        """UPDATE email_outbox SET status = 'dead', attempts = 12, last_error = 'HTTP 500: x',
+        """UPDATE cronlock.email_outbox
+           SET status = 'dead', attempts = 12, last_error = 'HTTP 500: x',
                   key_created_at = now() - CASE WHEN idempotency_key = $1
                       THEN interval '2 hours' ELSE interval '1 minute' END""",
         old,
     )
-    dead = await outbox.dead_rows(db, limit=10)
+    dead = await outbox.dead_rows(db, schema="cronlock", limit=10)
     assert [d.idempotency_key for d in dead] == [recent, old, untouched]
     assert dead[0].last_error == "HTTP 500: x"
     ids = {d.idempotency_key: d.id for d in dead}
 
-    done = await outbox.requeue(db, [ids[recent], ids[old]], retry_window=3600.0)
+    done = await outbox.requeue(db, [ids[recent], ids[old]], schema="cronlock", retry_window=3600.0)
     assert [(r.id, r.previous_key, r.new_key) for r in done] == [
         (ids[recent], recent, False),
         (ids[old], old, True),
@@ -529,7 +544,8 @@ async def test_requeue(
     rows = {
         r["id"]: r
         for r in await db.fetch(
-            "SELECT *, now() - key_created_at < interval '10 seconds' AS new FROM email_outbox"
+            "SELECT *, now() - key_created_at < interval '10 seconds' AS new"
+            " FROM cronlock.email_outbox"
         )
     }
     assert rows[ids[old]]["new"]
@@ -539,12 +555,12 @@ async def test_requeue(
         ("pending", 0),
     ]
     assert rows[ids[untouched]]["status"] == "dead"
-    assert await outbox.requeue(db, [ids[recent]]) == []  # not dead any more
+    assert await outbox.requeue(db, [ids[recent]], schema="cronlock") == []  # not dead any more
 
     async with sender(outbox_settings()) as s:
         assert await s.drain_once() == 2
     assert set(provider.delivered()) == {recent, fresh}
-    assert [r.id for r in await outbox.requeue(db, "all")] == [ids[untouched]]
+    assert [r.id for r in await outbox.requeue(db, "all", schema="cronlock")] == [ids[untouched]]
 
 
 async def test_expired_lease_cannot_overwrite_the_new_claim(
@@ -559,9 +575,11 @@ async def test_expired_lease_cannot_overwrite_the_new_claim(
         slow_send = asyncio.create_task(a.drain_once())
         await until(lambda: provider.in_flight == 1, 2, "A's request")
         await until(
-            lambda: db.fetchval("SELECT locked_until < now() FROM email_outbox"), 2, "the lease"
+            lambda: db.fetchval("SELECT locked_until < now() FROM cronlock.email_outbox"),
+            2,
+            "the lease",
         )
-        b_claim = await outbox.claim(db, limit=10, lease=30.0)
+        b_claim = await outbox.claim(db, schema="cronlock", limit=10, lease=30.0)
         assert [r.email.idempotency_key for r in b_claim.rows] == [key]
         assert await slow_send == 1  # A got its 200 and tried to mark the row sent
         assert a.stats.lost == 1
@@ -574,6 +592,7 @@ async def test_expired_lease_cannot_overwrite_the_new_claim(
         db,
         b_claim.token,
         [(r["id"], outbox.Outcome("sent", message_id="from-b"))],
+        schema="cronlock",
         max_attempts=12,
         retry_window=3600.0,
     )
@@ -603,7 +622,7 @@ async def test_a_slow_smtp_relay_gets_no_overlapping_attempts(
             started = time.monotonic()
             async with running(s):
                 await until(
-                    lambda: db.fetchval("SELECT status = 'dead' FROM email_outbox"),
+                    lambda: db.fetchval("SELECT status = 'dead' FROM cronlock.email_outbox"),
                     10,
                     "three attempts",
                 )
@@ -665,7 +684,7 @@ async def test_listener_survives_an_error_that_is_not_an_outage(
         await asyncio.sleep(0.5)  # the loop is now in a 30 s wait: only NOTIFY wakes it
         async with db.transaction():
             await queue(db, 1)
-            await db.execute(outbox.NOTIFY_SQL)
+            await outbox.notify(db, "cronlock")
         await until(lambda: len(provider.requests) == 1, 3, "delivery after NOTIFY")
 
 
@@ -695,14 +714,14 @@ async def test_token_bucket_never_grants_more_than_the_rate(database_url: str) -
     conns = [await asyncpg.connect(database_url) for _ in range(8)]
     try:
         await conns[0].execute(
-            "UPDATE email_outbox_rate SET tokens = 0, updated_at = clock_timestamp()"
+            "UPDATE cronlock.email_outbox_rate SET tokens = 0, updated_at = clock_timestamp()"
         )
         started = time.monotonic()
 
         async def take(conn: asyncpg.Connection) -> int:
             got = 0
             for _ in range(30):
-                got += (await outbox.take_tokens(conn, 3, rate=rate)).granted
+                got += (await outbox.take_tokens(conn, 3, schema="cronlock", rate=rate)).granted
             return got
 
         granted = sum(await asyncio.gather(*(take(c) for c in conns)))
@@ -721,7 +740,7 @@ async def test_notify_wakes_an_idle_sender(
         await asyncio.sleep(0.5)  # idle: the first poll found nothing
         async with db.transaction():
             await queue(db, 3)
-            await db.execute(outbox.NOTIFY_SQL)
+            await outbox.notify(db, "cronlock")
         took = await until(lambda: len(provider.requests) == 3, 5, "delivery after NOTIFY")
     assert took < 1.5
 
@@ -741,7 +760,7 @@ async def test_listener_comes_back_after_its_connection_is_killed(
         await asyncio.sleep(0.3)  # its catch-up poll found nothing
         async with db.transaction():
             await queue(db, 2)
-            await db.execute(outbox.NOTIFY_SQL)
+            await outbox.notify(db, "cronlock")
         took = await until(lambda: len(provider.requests) == 2, 5, "delivery after NOTIFY")
     assert took < 1.5
 
@@ -763,7 +782,7 @@ async def test_graceful_stop_finishes_in_flight_and_gives_back_the_rest(
         await until(lambda: provider.in_flight == 2, 2, "two sends in flight")
         stop.set()
         await asyncio.wait_for(task, settings.outbox_shutdown_timeout + 1)
-    rows = await db.fetch("SELECT * FROM email_outbox ORDER BY id")
+    rows = await db.fetch("SELECT * FROM cronlock.email_outbox ORDER BY id")
     assert Counter(r["status"] for r in rows) == {"sent": 2, "pending": 8}
     for r in rows:
         assert r["claim_token"] is None
@@ -786,7 +805,7 @@ async def test_stop_cuts_off_hung_sends_and_releases_them(
         await until(lambda: provider.in_flight == 2, 2, "two sends in flight")
         stop.set()
         await asyncio.wait_for(task, 2)
-    rows = await db.fetch("SELECT *, next_attempt_at <= now() AS due FROM email_outbox")
+    rows = await db.fetch("SELECT *, next_attempt_at <= now() AS due FROM cronlock.email_outbox")
     assert all(r["status"] == "pending" and r["due"] and r["claim_token"] is None for r in rows)
     assert sorted(r["attempts"] for r in rows) == [0, 0, 1, 1]
     provider.release()
@@ -808,7 +827,7 @@ async def test_a_claim_that_never_answers_gives_up_after_the_query_timeout(
     settings = outbox_settings(db_query_timeout=1.0, outbox_lease=2.0, outbox_send_timeout=1.0)
     async with sender(settings) as s:
         async with db.transaction():
-            await db.execute("LOCK TABLE email_outbox IN ACCESS EXCLUSIVE MODE")
+            await db.execute("LOCK TABLE cronlock.email_outbox IN ACCESS EXCLUSIVE MODE")
             started = time.monotonic()
             with pytest.raises(DatabaseUnavailable, match="no answer from the database within 1 s"):
                 await s.drain_once()
@@ -822,16 +841,16 @@ async def test_a_claim_that_never_answers_gives_up_after_the_query_timeout(
 async def test_prune_deletes_only_old_sent_rows(db: asyncpg.Connection) -> None:
     await queue(db, 6)
     await db.execute(
-        """UPDATE email_outbox SET status = 'sent', sent_at = now() - interval '8 days'
+        """UPDATE cronlock.email_outbox SET status = 'sent', sent_at = now() - interval '8 days'
            WHERE user_id <= 3"""
     )
     await db.execute(
-        "UPDATE email_outbox SET status = 'sent', sent_at = now() - interval '6 days' "
+        "UPDATE cronlock.email_outbox SET status = 'sent', sent_at = now() - interval '6 days' "
         "WHERE user_id = 4"
     )
-    await db.execute("UPDATE email_outbox SET status = 'dead' WHERE user_id = 5")
-    assert await outbox.prune_sent(db, 7.0, chunk=2) == 3
-    left = await db.fetch("SELECT user_id FROM email_outbox ORDER BY user_id")
+    await db.execute("UPDATE cronlock.email_outbox SET status = 'dead' WHERE user_id = 5")
+    assert await outbox.prune_sent(db, 7.0, schema="cronlock", chunk=2) == 3
+    left = await db.fetch("SELECT user_id FROM cronlock.email_outbox ORDER BY user_id")
     assert [r["user_id"] for r in left] == [4, 5, 6]
 
 
@@ -853,7 +872,7 @@ async def test_prune_is_bounded_and_runs_one_at_a_time(
         stop = asyncio.Event()
         task = asyncio.create_task(s.run(stop))
         async with db.transaction():
-            await db.execute("LOCK TABLE email_outbox IN ACCESS EXCLUSIVE MODE")
+            await db.execute("LOCK TABLE cronlock.email_outbox IN ACCESS EXCLUSIVE MODE")
             end = time.monotonic() + 2.0
             while time.monotonic() < end:
                 now = time.monotonic()
@@ -882,31 +901,38 @@ async def test_an_early_digest_run_stamps_its_slot(db: asyncpg.Connection) -> No
     """A trigger that comes a little before its slot (within the early tolerance) stamps the
     users with the slot, not the earlier now(): they are not due for that slot any more, and a
     forced rerun of the slot finds nobody instead of failing on the unique key."""
-    await db.execute("INSERT INTO users (email) VALUES ('a@example.com'), ('b@example.com')")
+    await db.execute(
+        "INSERT INTO cronlock_demo.users (email) VALUES ('a@example.com'), ('b@example.com')"
+    )
     slot = await db.fetchval("SELECT date_trunc('second', now()) + interval '3 seconds'")
-    assert await db.fetchval(DIGEST_SQL, slot, "daily-digest", SENDER) == 2
-    stamps = await db.fetch("SELECT last_digest_at FROM users")
+    assert await db.fetchval(qualify(DIGEST_SQL, "cronlock"), slot, "daily-digest", SENDER) == 2
+    stamps = await db.fetch("SELECT last_digest_at FROM cronlock_demo.users")
     assert all(r["last_digest_at"] == slot for r in stamps)
-    assert await db.fetchval(DIGEST_SQL, slot, "daily-digest", SENDER) == 0  # forced rerun
-    assert await db.fetchval("SELECT count(*) FROM email_outbox") == 2
+    assert (
+        await db.fetchval(qualify(DIGEST_SQL, "cronlock"), slot, "daily-digest", SENDER) == 0
+    )  # forced rerun
+    assert await db.fetchval("SELECT count(*) FROM cronlock.email_outbox") == 2
     later = await db.fetchval("SELECT $1::timestamptz + interval '1 day'", slot)
-    assert await db.fetchval(DIGEST_SQL, later, "daily-digest", SENDER) == 2  # next slot
+    assert (
+        await db.fetchval(qualify(DIGEST_SQL, "cronlock"), later, "daily-digest", SENDER) == 2
+    )  # next slot
 
 
 async def test_stats_use_the_database_clock(db: asyncpg.Connection) -> None:
-    assert await outbox.outbox_stats(db) == {
+    assert await outbox.outbox_stats(db, "cronlock") == {
         "pending": 0,
         "due": 0,
         "oldest_pending_seconds": 0.0,
         "dead": 0,
     }
     await queue(db, 3)
-    await db.execute("UPDATE email_outbox SET created_at = now() - interval '90 seconds'")
-    await db.execute("UPDATE email_outbox SET status = 'dead' WHERE user_id = 1")
+    await db.execute("UPDATE cronlock.email_outbox SET created_at = now() - interval '90 seconds'")
+    await db.execute("UPDATE cronlock.email_outbox SET status = 'dead' WHERE user_id = 1")
     await db.execute(
-        "UPDATE email_outbox SET next_attempt_at = now() + interval '1 hour' WHERE user_id = 2"
+        "UPDATE cronlock.email_outbox SET next_attempt_at = now() + interval '1 hour'"
+        " WHERE user_id = 2"
     )
-    stats = await outbox.outbox_stats(db)
+    stats = await outbox.outbox_stats(db, "cronlock")
     assert (stats["pending"], stats["due"], stats["dead"]) == (2, 1, 1)
     assert 90 <= stats["oldest_pending_seconds"] < 100
 
@@ -979,7 +1005,7 @@ async def test_ten_thousand_emails_three_processes(
     try:
         await until(
             lambda: db.fetchval(
-                "SELECT count(*) = $1 FROM email_outbox WHERE status = 'sent'", total
+                "SELECT count(*) = $1 FROM cronlock.email_outbox WHERE status = 'sent'", total
             ),
             150,
             "all 10,000 to be sent",
@@ -997,14 +1023,14 @@ async def test_ten_thousand_emails_three_processes(
     assert provider.delivered() == Counter(dict.fromkeys(keys, 1))
     assert await counts(db) == {"sent": total}
     mismatched = await db.fetchval(
-        """SELECT count(*) FROM email_outbox o
+        """SELECT count(*) FROM cronlock.email_outbox o
            JOIN unnest($1::text[], $2::text[]) AS p(key, id) ON p.key = o.idempotency_key
            WHERE o.provider_message_id IS DISTINCT FROM p.id""",
         [r.key for r in provider.requests],
         [r.message_id for r in provider.requests],
     )
     assert mismatched == 0
-    senders = await db.fetchval("SELECT count(DISTINCT attempts) FROM email_outbox")
+    senders = await db.fetchval("SELECT count(DISTINCT attempts) FROM cronlock.email_outbox")
     assert senders == 1  # every row went out on its first claim
 
 
@@ -1044,7 +1070,7 @@ async def test_drain_once_stops_at_sigterm(
     assert worker.returncode == 0, log.read_text()
     assert stopped_in < 3.0  # the send in flight (0.5 s), not the batch (10 x 0.5 s)
     assert len(provider.requests) == 1
-    rows = await db.fetch("SELECT *, next_attempt_at <= now() AS due FROM email_outbox")
+    rows = await db.fetch("SELECT *, next_attempt_at <= now() AS due FROM cronlock.email_outbox")
     assert Counter(r["status"] for r in rows) == {"sent": 1, "pending": 9}
     for r in rows:
         assert r["claim_token"] is None
@@ -1083,14 +1109,15 @@ async def test_sender_killed_mid_batch(
         killed_at = time.monotonic()
         provider.release()
         claimed = await db.fetchval(
-            "SELECT count(*) FROM email_outbox WHERE status = 'pending' AND claim_token IS NOT NULL"
+            "SELECT count(*) FROM cronlock.email_outbox"
+            " WHERE status = 'pending' AND claim_token IS NOT NULL"
         )
         assert claimed >= len(in_flight)  # the victim's batch is stranded until its lease ends
 
         workers += [start_worker(env, log) for _ in range(2)]
         await until(
             lambda: db.fetchval(
-                "SELECT count(*) = $1 FROM email_outbox WHERE status = 'sent'", total
+                "SELECT count(*) = $1 FROM cronlock.email_outbox WHERE status = 'sent'", total
             ),
             30,
             "every email to be sent",

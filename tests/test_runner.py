@@ -144,7 +144,7 @@ async def test_digest_one_outbox_row_per_user_per_slot(
     env = {"CRON_JOBS": "app.demo.digest"}
     trio = [start_instance(f"d{n}", env) for n in range(3)]
     await db.execute(
-        """INSERT INTO users (email, digest_enabled)
+        """INSERT INTO cronlock_demo.users (email, digest_enabled)
            SELECT 'u' || g || '@example.com', g % 10 <> 0 FROM generate_series(1, 500) g"""
     )
     answers = []
@@ -155,15 +155,20 @@ async def test_digest_one_outbox_row_per_user_per_slot(
     assert all(a.status_code == 200 for a in answers)
     processed = [a.json()["processed"] for a in answers if "processed" in a.json()]
     assert processed == [450]
-    per_user = await db.fetch("SELECT user_id, count(*) AS n FROM email_outbox GROUP BY user_id")
+    per_user = await db.fetch(
+        "SELECT user_id, count(*) AS n FROM cronlock.email_outbox GROUP BY user_id"
+    )
     assert len(per_user) == 450
     assert {r["n"] for r in per_user} == {1}
     disabled = await db.fetchval(
-        """SELECT count(*) FROM email_outbox o JOIN users u ON u.id = o.user_id
+        """SELECT count(*) FROM cronlock.email_outbox o
+           JOIN cronlock_demo.users u ON u.id = o.user_id
            WHERE NOT u.digest_enabled"""
     )
     assert disabled == 0
-    stamped = await db.fetchval("SELECT count(*) FROM users WHERE last_digest_at IS NOT NULL")
+    stamped = await db.fetchval(
+        "SELECT count(*) FROM cronlock_demo.users WHERE last_digest_at IS NOT NULL"
+    )
     assert stamped == 450
 
 
@@ -174,19 +179,22 @@ async def test_digest_refuses_a_second_email_for_a_slot_loudly(
     slot's email: the unique index fails the whole run, which commits nothing."""
     i = start_instance("d", {"CRON_JOBS": "app.demo.digest"})
     await db.execute(
-        "INSERT INTO users (email) SELECT 'u' || g || '@example.com' FROM generate_series(1, 5) g"
+        "INSERT INTO cronlock_demo.users (email)"
+        " SELECT 'u' || g || '@example.com' FROM generate_series(1, 5) g"
     )
     first = await post(client, i.url + "/cron/daily-digest")
     assert first.json()["processed"] == 5
-    stamps = await db.fetch("SELECT id, last_digest_at FROM users ORDER BY id")
-    await db.execute("UPDATE users SET last_digest_at = NULL WHERE id = $1", stamps[0]["id"])
-    await db.execute("INSERT INTO users (email) VALUES ('new@example.com')")
+    stamps = await db.fetch("SELECT id, last_digest_at FROM cronlock_demo.users ORDER BY id")
+    await db.execute(
+        "UPDATE cronlock_demo.users SET last_digest_at = NULL WHERE id = $1", stamps[0]["id"]
+    )
+    await db.execute("INSERT INTO cronlock_demo.users (email) VALUES ('new@example.com')")
     again = await post(client, i.url + "/cron/daily-digest?force=true")
     assert again.status_code == 500
     assert again.json()["error"] == "job failed"
-    assert await db.fetchval("SELECT count(*) FROM email_outbox") == 5
+    assert await db.fetchval("SELECT count(*) FROM cronlock.email_outbox") == 5
     # Nothing of the failed run stuck: the newcomer is still due, the others keep their stamp.
-    after = await db.fetch("SELECT id, last_digest_at FROM users ORDER BY id")
+    after = await db.fetch("SELECT id, last_digest_at FROM cronlock_demo.users ORDER BY id")
     assert [r["last_digest_at"] for r in after[1:5]] == [r["last_digest_at"] for r in stamps[1:]]
     assert after[0]["last_digest_at"] is None
     assert after[5]["last_digest_at"] is None

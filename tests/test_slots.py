@@ -66,7 +66,7 @@ async def test_done_slot_is_skipped_and_other_slots_are_not(
 ) -> None:
     slot = at("2026-06-01T02:30:00+02:00")
     await db.execute(
-        """INSERT INTO cron_runs (job, slot, status, trigger, instance)
+        """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
            VALUES ('berlin-0230', $1, 'succeeded', 'scheduled', 'seed')""",
         slot,
     )
@@ -81,7 +81,7 @@ async def test_done_slot_is_skipped_and_other_slots_are_not(
 async def test_manual_runs_do_not_count(runner: Any, db: asyncpg.Connection) -> None:
     slot = at("2026-06-02T02:30:00+02:00")
     await db.execute(
-        """INSERT INTO cron_runs (job, slot, status, trigger, instance)
+        """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
            VALUES ('berlin-0230', $1, 'succeeded', 'manual', 'seed')""",
         slot,
     )
@@ -91,7 +91,7 @@ async def test_manual_runs_do_not_count(runner: Any, db: asyncpg.Connection) -> 
 async def test_one_succeeded_scheduled_run_per_slot_is_a_database_fact(
     db: asyncpg.Connection,
 ) -> None:
-    insert = """INSERT INTO cron_runs (job, slot, status, trigger, instance)
+    insert = """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
                 VALUES ('x', '2026-01-01T00:00:00Z', 'succeeded', $1, 'seed')"""
     await db.execute(insert, "scheduled")
     await db.execute(insert, "manual")

@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 import httpx
 
-from app.lock import lock_key
+from app.lock import LockKey, job_lock, lock_key
 from tests.support import TEST_SECRET
 
 AUTH = {"Authorization": f"Bearer {TEST_SECRET}"}
@@ -33,8 +33,13 @@ async def effects(db: asyncpg.Connection, job: str | None = None) -> int:
     return int(count)
 
 
+def job_key(job: str, namespace: int = 0, schema: str = "cronlock") -> LockKey:
+    """The advisory key of a job in a deployment (DB_SCHEMA, LOCK_NAMESPACE)."""
+    return lock_key(job_lock(schema, job), namespace)
+
+
 async def lock_held(db: asyncpg.Connection, job: str, namespace: int = 0) -> bool:
-    key = lock_key(job, namespace)
+    key = job_key(job, namespace)
     held = await db.fetchval(
         """SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted
            AND classid = $1 AND objid = $2 AND objsubid = 1)""",
@@ -63,7 +68,7 @@ async def wait_for(
 
 async def runs(db: asyncpg.Connection, job: str) -> list[dict[str, Any]]:
     """The job's ledger rows, oldest first, with the JSON columns decoded."""
-    rows = await db.fetch("SELECT * FROM cron_runs WHERE job = $1 ORDER BY id", job)
+    rows = await db.fetch("SELECT * FROM cronlock.runs WHERE job = $1 ORDER BY id", job)
     decoded = []
     for row in rows:
         item = dict(row)

@@ -5,8 +5,12 @@ nobody due.
 
 from __future__ import annotations
 
+from app import outbox
 from app.jobs import JobContext, job
-from app.outbox import NOTIFY_SQL
+from app.sql import qualify
+
+# The demo's own tables (cronlock_demo.users), made by its migrations when it is loaded.
+CRONLOCK_MIGRATIONS = "migrations"
 
 # Due: digest enabled and no digest since this slot began (a digest stamps at least its
 # slot). The subject and body are frozen in the outbox row now, so every delivery attempt
@@ -24,14 +28,14 @@ WITH per_slot AS (
            'Your daily digest for '
                || to_char($1::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS subject
 ), due AS (
-    UPDATE users
+    UPDATE cronlock_demo.users
     -- Never before the slot: a run triggered a little early (within the job's early
     -- tolerance) would otherwise leave its users due for the same slot.
     SET last_digest_at = greatest(now(), $1::timestamptz)
     WHERE digest_enabled AND (last_digest_at IS NULL OR last_digest_at < $1)
     RETURNING id, email
 ), queued AS (
-    INSERT INTO email_outbox (idempotency_key, job, slot, user_id, sender, recipient,
+    INSERT INTO {schema}.email_outbox (idempotency_key, job, slot, user_id, sender, recipient,
                               subject, body)
     SELECT per_slot.key || due.id, $2, $1, due.id, $3, due.email, per_slot.subject,
            'Hello ' || due.email || E',\n\nhere is what happened since your last digest.\n'
@@ -48,8 +52,10 @@ SENDER = "cronlock <digest@example.com>"
 async def daily_digest(ctx: JobContext) -> int:
     """Queue one digest email per enabled user who has not had one for this slot."""
     assert ctx.slot is not None
-    queued = await ctx.conn.fetchval(DIGEST_SQL, ctx.slot, ctx.job.name, SENDER)
+    queued = await ctx.conn.fetchval(
+        qualify(DIGEST_SQL, ctx.schema), ctx.slot, ctx.job.name, SENDER
+    )
     if queued:
         # Delivered at commit, so senders wake up only for emails that really exist.
-        await ctx.conn.execute(NOTIFY_SQL)
+        await outbox.notify(ctx.conn, ctx.schema)
     return int(queued)

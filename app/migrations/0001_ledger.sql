@@ -1,5 +1,5 @@
 -- The run ledger: one row per run that took the lock.
-CREATE TABLE cron_runs (
+CREATE TABLE {schema}.runs (
     id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     job         text        NOT NULL,
     slot        timestamptz,                       -- NULL for jobs without a schedule
@@ -21,9 +21,9 @@ CREATE TABLE cron_runs (
 
 -- "Once per slot" is a database fact: one succeeded scheduled (or backfill) run per (job, slot).
 -- Manual runs (?force=true) are recorded but do not count.
-CREATE UNIQUE INDEX cron_runs_one_success_per_slot
-    ON cron_runs (job, slot)
+CREATE UNIQUE INDEX runs_one_success_per_slot
+    ON {schema}.runs (job, slot)
     WHERE status = 'succeeded' AND trigger IN ('scheduled', 'backfill');
 
-CREATE INDEX cron_runs_job_newest ON cron_runs (job, id DESC);
-CREATE INDEX cron_runs_running ON cron_runs (job) WHERE status = 'running';
+CREATE INDEX runs_job_newest ON {schema}.runs (job, id DESC);
+CREATE INDEX runs_running ON {schema}.runs (job) WHERE status = 'running';

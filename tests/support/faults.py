@@ -101,7 +101,7 @@ async def reset(db: asyncpg.Connection) -> None:
     """An empty ledger and no effects: each test counts its own."""
     await db.execute("SELECT pg_advisory_xact_lock(424242)")  # tests.jobs.record's lock
     await db.execute(EFFECTS_SQL)
-    await db.execute("TRUNCATE job_effects, cron_runs")
+    await db.execute("TRUNCATE job_effects, cronlock.runs")
 
 
 # --- nothing twice, nothing lost ----------------------------------------------------------
@@ -116,7 +116,7 @@ async def check_books(db: asyncpg.Connection, answers: Iterable[httpx.Response] 
     assert not twice, f"effects committed more than once: {twice}"
     succeeded = {
         r["id"]: r["job"]
-        for r in await db.fetch("SELECT id, job FROM cron_runs WHERE status = 'succeeded'")
+        for r in await db.fetch("SELECT id, job FROM cronlock.runs WHERE status = 'succeeded'")
     }
     with_effects = {r["run_id"]: r["job"] for r in effects}
     assert with_effects == succeeded, (

@@ -1,0 +1,676 @@
+"""cronlock as a guest in somebody else's database: one schema of its own, nothing else touched,
+two deployments side by side, an upgrade in place from 0.1's `public` tables, a role without
+CREATE, migrations a DBA can review, and errors in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import httpx
+import pytest
+
+from app import cli
+from app.db import Database
+from app.lock import internal_lock, job_lock, lock_key
+from app.schema import (
+    Migration,
+    MigrationError,
+    MigrationSet,
+    check_name,
+    migrate,
+    migration_sets,
+    notify_channel,
+)
+from app.settings import Settings
+from app.sql import qualify
+from tests.support import TEST_SECRET
+from tests.support.postgres import PostgresServer, create_database, drop_database, unique_name
+from tests.support.provider import Provider
+from tests.util import post, wait_for
+
+Starter = Callable[..., Any]
+REPO = Path(__file__).resolve().parent.parent
+LEGACY = Path(__file__).resolve().parent / "data" / "migrations_0_1"
+OURS = ("cronlock", "cronlock_demo")
+
+
+@pytest.fixture
+async def fresh_url(pg_server: PostgresServer) -> AsyncIterator[str]:
+    """An empty database (not migrated), dropped afterwards."""
+    name = unique_name("fresh")
+    admin = pg_server.dsn("postgres")
+    await create_database(admin, name)
+    try:
+        yield pg_server.dsn(name)
+    finally:
+        await drop_database(admin, name)
+
+
+@pytest.fixture
+async def fresh(fresh_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(fresh_url, statement_cache_size=0)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+class Cli:
+    """`python -m app` in-process, against one database, with no .env."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+        self.capsys, self.monkeypatch = capsys, monkeypatch
+
+    def env(self, **values: str) -> None:
+        for name, value in values.items():
+            self.monkeypatch.setenv(name, value)
+
+    async def __call__(self, *args: str) -> tuple[int, str, str]:
+        self.capsys.readouterr()
+        code = await asyncio.to_thread(cli.main, list(args))
+        out = self.capsys.readouterr()
+        return code, out.out, out.err
+
+
+@pytest.fixture
+def run_cli(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Cli:
+    monkeypatch.chdir(tmp_path)
+    for name in list(os.environ):
+        if name.startswith(("CRON_", "DATABASE_", "DB_", "MIGRATE_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("CRON_JOBS", "app.demo.digest,app.housekeeping")
+    return Cli(capsys, monkeypatch)
+
+
+# --- names ------------------------------------------------------------------------------------
+
+
+def test_the_schema_is_a_plain_identifier_of_our_own() -> None:
+    for good in ("cronlock", "jobs_b", "_x", "Tenant_A", "a" * 56):
+        assert check_name(good) == good
+    for bad in ("", "1abc", "a-b", 'x"; DROP', "a b", "public", "PG_x", "information_schema"):
+        with pytest.raises(ValueError, match=r"must start with|not a schema of cronlock's own"):
+            check_name(bad)
+    with pytest.raises(ValueError, match="at most 56"):
+        check_name("a" * 57)  # <schema>.outbox must fit a 63-byte channel name
+    with pytest.raises(ValueError, match="db_schema"):
+        Settings(_env_file=None, db_schema="public")
+    assert qualify("SELECT 1 FROM {schema}.runs", "Tenant_A") == 'SELECT 1 FROM "Tenant_A".runs'
+
+
+def test_locks_and_channels_belong_to_one_deployment() -> None:
+    """Advisory locks and NOTIFY channels are database-wide: each derives from the schema."""
+    a, b = job_lock("cronlock", "daily-digest"), job_lock("other", "daily-digest")
+    assert lock_key(a, 0) != lock_key(b, 0)
+    assert internal_lock("cronlock", "migrate") != internal_lock("other", "migrate")
+    # "::" cannot be a job's (job names have no ':'), so no job takes the migration lock.
+    assert internal_lock("cronlock", "migrate") != job_lock("cronlock", "migrate")
+    assert notify_channel("cronlock") != notify_channel("other")
+
+
+# --- a real application's database ---------------------------------------------------------
+
+APP_SQL = """
+CREATE EXTENSION IF NOT EXISTS pgcrypto;
+CREATE TYPE public.plan AS ENUM ('free', 'pro');
+CREATE TABLE public.users (
+    id uuid PRIMARY KEY DEFAULT gen_random_uuid(), email text NOT NULL UNIQUE,
+    plan public.plan NOT NULL DEFAULT 'free', created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE public.runs (id serial PRIMARY KEY, pipeline text, ok boolean);
+CREATE TABLE public.jobs (id bigserial PRIMARY KEY, name text, queue text DEFAULT 'default');
+CREATE TABLE public.locks (name text PRIMARY KEY, owner uuid REFERENCES public.users (id));
+CREATE TABLE public.cron_runs (id int PRIMARY KEY, what text);
+CREATE TABLE public.email_outbox (id int PRIMARY KEY, to_address text, sent boolean);
+CREATE TABLE public.migrations (id int PRIMARY KEY, name text);
+CREATE TABLE public.alembic_version (version_num varchar(32) PRIMARY KEY);
+CREATE INDEX jobs_queue ON public.jobs (queue);
+CREATE VIEW public.pro_users AS SELECT id, email FROM public.users WHERE plan = 'pro';
+CREATE FUNCTION public.probe(x int) RETURNS int LANGUAGE sql AS 'SELECT x';
+INSERT INTO public.users (email, plan) SELECT 'app' || g || '@example.com',
+    CASE WHEN g % 2 = 0 THEN 'pro' ELSE 'free' END::public.plan FROM generate_series(1, 20) g;
+INSERT INTO public.runs (pipeline, ok) VALUES ('etl', true), ('etl', false);
+INSERT INTO public.jobs (name) VALUES ('resize'), ('mail');
+INSERT INTO public.locks (name, owner) SELECT 'l1', id FROM public.users LIMIT 1;
+INSERT INTO public.cron_runs VALUES (1, 'theirs');
+INSERT INTO public.email_outbox VALUES (1, 'x@example.com', false);
+INSERT INTO public.migrations VALUES (1, 'init');
+INSERT INTO public.alembic_version VALUES ('ae1027a6acf');
+"""
+
+# The catalog outside cronlock's schemas: what "nothing of the app changed" means.
+SNAPSHOT_SQL = {
+    "schemas": """SELECT nspname, pg_get_userbyid(nspowner), nspacl::text FROM pg_namespace
+                  WHERE nspname <> ALL($1) AND nspname NOT LIKE 'pg_toast%'
+                    AND nspname NOT LIKE 'pg_temp%'""",
+    "relations": """SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(c.relowner),
+                           c.relacl::text
+                    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                    WHERE n.nspname <> ALL($1) AND n.nspname NOT IN ('pg_catalog',
+                          'information_schema') AND n.nspname NOT LIKE 'pg_toast%'""",
+    "columns": """SELECT n.nspname, c.relname, a.attname, format_type(a.atttypid, a.atttypmod),
+                         a.attnotnull, pg_get_expr(d.adbin, d.adrelid)
+                  FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+                  JOIN pg_namespace n ON n.oid = c.relnamespace
+                  LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+                  WHERE a.attnum > 0 AND NOT a.attisdropped AND n.nspname <> ALL($1)
+                    AND n.nspname NOT IN ('pg_catalog', 'information_schema')
+                    AND n.nspname NOT LIKE 'pg_toast%'""",
+    "types": """SELECT n.nspname, t.typname, t.typtype, pg_get_userbyid(t.typowner),
+                       coalesce((SELECT string_agg(e.enumlabel, ',' ORDER BY e.enumsortorder)
+                                 FROM pg_enum e WHERE e.enumtypid = t.oid), '')
+                FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
+                WHERE n.nspname <> ALL($1) AND n.nspname NOT IN ('pg_catalog',
+                      'information_schema') AND n.nspname NOT LIKE 'pg_toast%'""",
+    "functions": """SELECT n.nspname, p.proname, pg_get_function_identity_arguments(p.oid),
+                           md5(p.prosrc), pg_get_userbyid(p.proowner), p.proacl::text
+                    FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                    WHERE n.nspname <> ALL($1)
+                      AND n.nspname NOT IN ('pg_catalog', 'information_schema')""",
+    "indexes": """SELECT schemaname, indexname, indexdef FROM pg_indexes
+                  WHERE schemaname <> ALL($1)
+                    AND schemaname NOT IN ('pg_catalog', 'information_schema')""",
+    "constraints": """SELECT n.nspname, c.conname, pg_get_constraintdef(c.oid)
+                      FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace
+                      WHERE n.nspname <> ALL($1)
+                        AND n.nspname NOT IN ('pg_catalog', 'information_schema')""",
+    "extensions": "SELECT extname, extversion FROM pg_extension WHERE $1::text[] IS NOT NULL",
+    "database": """SELECT datname, datacl::text FROM pg_database
+                   WHERE datname = current_database() AND $1::text[] IS NOT NULL""",
+}
+APP_TABLES = ("users", "runs", "jobs", "locks", "cron_runs", "email_outbox", "migrations")
+
+
+async def snapshot(conn: asyncpg.Connection, ours: tuple[str, ...] = OURS) -> dict[str, Any]:
+    """Catalog rows outside `ours`, plus a checksum of every application table's rows."""
+    found: dict[str, Any] = {}
+    for name, sql in SNAPSHOT_SQL.items():
+        found[name] = sorted(tuple(r) for r in await conn.fetch(sql, list(ours)))
+    for table in (*APP_TABLES, "alembic_version"):
+        found[f"rows:{table}"] = await conn.fetchval(
+            f"SELECT md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), '')) "
+            f"FROM public.{table} t"
+        )
+    return found
+
+
+async def test_an_application_database_is_left_exactly_as_it_was(
+    fresh_url: str, fresh: asyncpg.Connection, run_cli: Cli, start_instance: Starter
+) -> None:
+    """Its own users, runs, email_outbox, migrations... in public: migrate, two instances,
+    triggers, the digest, delivery and a ledger prune change nothing of it."""
+    await fresh.execute(APP_SQL)
+    before = await snapshot(fresh)
+    run_cli.env(DATABASE_URL=fresh_url)
+    code, out, err = await run_cli("migrate")
+    assert code == 0, err
+    assert "cronlock 0001_ledger" in out
+    assert "app.demo.digest 0001_users" in out
+    await fresh.execute(
+        "INSERT INTO cronlock_demo.users (email) SELECT 'd' || g || '@example.com'"
+        " FROM generate_series(1, 25) g"
+    )
+    env = {
+        "DATABASE_URL": fresh_url,
+        "CRON_JOBS": "app.demo.digest,app.housekeeping",
+        "OUTBOX_ENABLED": "true",
+        "EMAIL_BACKEND": "log",
+        "OUTBOX_RATE_LIMIT": "0",
+        "OUTBOX_POLL_INTERVAL": "0.2",
+        "LEDGER_RETENTION_DAYS": "0.00001",
+    }
+    instances = [start_instance(f"app{n}", env, ready_path="/readyz") for n in range(2)]
+    async with httpx.AsyncClient(timeout=30) as client:
+        answers = await asyncio.gather(
+            *(post(client, i.url + "/cron/daily-digest") for i in instances)
+        )
+        assert sorted(a.status_code for a in answers) == [200, 200], [a.text for a in answers]
+        assert sum(a.json().get("processed", 0) for a in answers) == 25
+
+        async def delivered() -> bool:
+            pending = await fresh.fetchval(
+                "SELECT count(*) FROM cronlock.email_outbox WHERE status <> 'sent'"
+            )
+            return bool(pending == 0)
+
+        await wait_for(delivered, 20, "the digest's emails to be delivered")
+        await asyncio.sleep(1.0)  # older than LEDGER_RETENTION_DAYS (0.86 s)
+        r = await post(client, instances[1].url + "/cron/ledger-prune?force=true")
+        assert r.status_code == 200, r.text
+        assert r.json()["processed"]["pruned"] >= 1
+        r = await client.get(
+            instances[0].url + "/cron/runs", headers={"Authorization": f"Bearer {TEST_SECRET}"}
+        )
+        assert r.status_code == 200
+    assert await fresh.fetchval("SELECT count(*) FROM cronlock.email_outbox") == 25
+    assert await snapshot(fresh) == before
+
+
+async def test_two_deployments_in_one_database_are_fully_separate(
+    database_url: str, db: asyncpg.Connection, start_instance: Starter
+) -> None:
+    """The same job name at the same moment in two schemas: both run (their lock keys, ledgers,
+    migrations and NOTIFY channels are their own)."""
+    jobs = "tests.jobs,tests.tenant_jobs"
+    a = start_instance("dep-a", {"CRON_JOBS": jobs})
+    b = start_instance("dep-b", {"CRON_JOBS": jobs, "DB_SCHEMA": "tenant_b"})
+    async with httpx.AsyncClient(timeout=30) as client:
+        answers = await asyncio.gather(
+            post(client, a.url + "/cron/tenant-visit", json={"seconds": 1.5}),
+            post(client, b.url + "/cron/tenant-visit", json={"seconds": 1.5}),
+        )
+        assert [r.json().get("processed") for r in answers] == [1, 1], [r.text for r in answers]
+        fast = await asyncio.gather(
+            post(client, a.url + "/cron/fast"), post(client, b.url + "/cron/fast")
+        )
+        assert [r.json().get("processed") for r in fast] == [1, 1], [r.text for r in fast]
+    spans = []
+    for schema in ("cronlock", "tenant_b"):
+        rows = await db.fetch(
+            f"SELECT job, status, started_at, finished_at FROM {schema}.runs ORDER BY id"
+        )
+        assert [(r["job"], r["status"]) for r in rows] == [
+            ("tenant-visit", "succeeded"),
+            ("fast", "succeeded"),
+        ]
+        spans.append((rows[0]["started_at"], rows[0]["finished_at"]))
+    # They ran at the same time: neither waited for the other's lock.
+    assert max(s for s, _ in spans) < min(f for _, f in spans)
+    modules = await db.fetch(
+        "SELECT module, version FROM tenant_b.migrations WHERE module <> 'cronlock' ORDER BY 1, 2"
+    )
+    assert [tuple(r) for r in modules] == [("tests.tenant_jobs", 1), ("tests.tenant_jobs", 2)]
+    visitors = await db.fetch("SELECT deployment FROM tenant_jobs.visits ORDER BY deployment")
+    assert [r["deployment"] for r in visitors] == ["cronlock", "tenant_b"]
+    # The demo's schema is created only by a deployment that loads the demo: tenant_b's did not
+    # make one of its own, and nothing of cronlock lives in public.
+    assert await db.fetchval("SELECT to_regclass('tenant_b.users')") is None
+    public = await db.fetch(
+        "SELECT relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = 'public' AND relname NOT LIKE 'job_effects%'"
+    )
+    assert public == []
+
+
+# --- upgrade in place from 0.1 ---------------------------------------------------------------
+
+LEGACY_ROWS_SQL = """
+INSERT INTO cron_runs (job, slot, status, trigger, source, instance, backend_pid, started_at,
+                       finished_at, duration_ms, params, result, error)
+VALUES ('daily-digest', '2026-12-01 07:00+00', 'succeeded', 'scheduled', 'http', 'old-1', 11,
+        '2026-12-01 07:00:01+00', '2026-12-01 07:00:02+00', 812.5, NULL, '3', NULL),
+       ('daily-digest', '2026-12-02 07:00+00', 'failed', 'scheduled', 'http', 'old-2', 12,
+        '2026-12-02 07:00:01+00', '2026-12-02 07:00:03+00', 20.0, NULL, NULL, 'boom'),
+       ('ledger-prune', NULL, 'abandoned', 'manual', 'cli', 'old-1', NULL,
+        '2026-12-02 03:17+00', NULL, NULL, '{"a": 1}', NULL, 'went away');
+INSERT INTO users (email, digest_enabled, last_digest_at)
+VALUES ('ada@example.com', true, '2026-12-01 07:00:02+00'),
+       ('bob@example.com', false, NULL),
+       ('cy@example.com', true, NULL);
+INSERT INTO email_outbox (idempotency_key, job, slot, user_id, sender, recipient, subject, body,
+                          status, attempts, sent_at, provider_message_id, last_error)
+VALUES ('daily-digest:1764572400:1', 'daily-digest', '2026-12-01 07:00+00', 1, 's@x',
+        'ada@example.com', 'Digest', 'Hello ada', 'sent', 1, now(), 'msg_1', NULL),
+       ('daily-digest:1764658800:1', 'daily-digest', '2026-12-02 07:00+00', 1, 's@x',
+        'ada@example.com', 'Digest', 'Hello again', 'pending', 0, NULL, NULL, NULL),
+       ('daily-digest:1764658800:3', 'daily-digest', '2026-12-02 07:00+00', 3, 's@x',
+        'cy@example.com', 'Digest', 'Hello cy', 'dead', 12, NULL, NULL, 'HTTP 422: bad address');
+UPDATE email_outbox_rate SET tokens = 1.5, granted = 2;
+"""
+
+TABLES_0_1 = {
+    "cron_runs": "cronlock.runs",
+    "users": "cronlock_demo.users",
+    "email_outbox": "cronlock.email_outbox",
+    "email_outbox_rate": "cronlock.email_outbox_rate",
+}
+
+
+async def build_0_1(conn: asyncpg.Connection) -> None:
+    """A database as cronlock 0.1 left it: its five migrations in public, recorded there."""
+    await conn.execute(
+        "CREATE TABLE cronlock_migrations (version integer PRIMARY KEY, name text NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+    for path in sorted(LEGACY.glob("*.sql")):
+        number, _, name = path.stem.partition("_")
+        await conn.execute(path.read_text())
+        await conn.execute(
+            "INSERT INTO cronlock_migrations (version, name) VALUES ($1, $2)", int(number), name
+        )
+    await conn.execute(LEGACY_ROWS_SQL)
+
+
+async def dump(conn: asyncpg.Connection, table: str) -> list[str]:
+    rows = await conn.fetch(f"SELECT t::text AS row FROM {table} t ORDER BY 1")
+    return [r["row"] for r in rows]
+
+
+async def shape(conn: asyncpg.Connection, table: str) -> dict[str, Any]:
+    """A table's columns, indexes and constraints, by name (what migrations define)."""
+    oid = await conn.fetchval("SELECT $1::regclass::oid", table)
+    columns = await conn.fetch(
+        """SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+                  a.attidentity, pg_get_expr(d.adbin, d.adrelid)
+           FROM pg_attribute a LEFT JOIN pg_attrdef d
+             ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+           WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum""",
+        oid,
+    )
+    indexes = await conn.fetch(
+        """SELECT i.relname, regexp_replace(pg_get_indexdef(i.oid), ' ON \\S+', ' ON t')
+           FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid
+           WHERE x.indrelid = $1 ORDER BY 1""",
+        oid,
+    )
+    constraints = await conn.fetch(
+        "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = $1"
+        " ORDER BY 1",
+        oid,
+    )
+    return {
+        "columns": [tuple(r) for r in columns],
+        "indexes": [tuple(r) for r in indexes],
+        "constraints": [tuple(r) for r in constraints],
+    }
+
+
+async def test_a_0_1_database_upgrades_in_place_with_nothing_lost(
+    fresh_url: str,
+    fresh: asyncpg.Connection,
+    db: asyncpg.Connection,
+    run_cli: Cli,
+    start_instance: Starter,
+) -> None:
+    """Every row moves into the schemas (run history, pending, sent and dead emails with their
+    keys, the rate bucket, the demo's users), the tables take the shape a new install has, and
+    the pending email is then delivered once with its original key."""
+    await build_0_1(fresh)
+    before = {old: await dump(fresh, old) for old in TABLES_0_1}
+    run_cli.env(DATABASE_URL=fresh_url)
+    code, out, err = await run_cli("migrate", "--dry-run")
+    assert code == 0, err
+    assert "would apply: move cronlock 0.1's tables from public" in out
+    assert "cronlock 0001_ledger" not in out  # adopted, not made again
+    code, out, err = await run_cli("migrate")
+    assert code == 0, err
+    for old, new in TABLES_0_1.items():
+        assert await dump(fresh, new) == before[old], new
+        assert await fresh.fetchval("SELECT to_regclass($1)", f"public.{old}") is None
+    # Identities go on from where they were.
+    next_id = await fresh.fetchval(
+        "INSERT INTO cronlock.runs (job, trigger, instance) VALUES ('x', 'manual', 'i')"
+        " RETURNING id"
+    )
+    assert next_id == 4
+    await fresh.execute("DELETE FROM cronlock.runs WHERE id = $1", next_id)
+    # The same shape as a database migrated new (`db` is one).
+    for table in TABLES_0_1.values():
+        assert await shape(fresh, table) == await shape(db, table), table
+    assert not await fresh.fetch("SELECT proname FROM pg_proc WHERE proname = 'cronlock_probe'"), (
+        "0.1's probe functions are gone"
+    )
+    # 0.1 instances still running find their migrations applied, so they never make a second
+    # ledger in public: the record stays until the DBA drops it.
+    assert await fresh.fetchval("SELECT count(*) FROM public.cronlock_migrations") == 5
+    code, out, _ = await run_cli("migrate")
+    assert (code, out.strip()) == (0, "migrations are current")
+
+    with Provider() as provider:
+        env = {
+            "DATABASE_URL": fresh_url,
+            "CRON_JOBS": "app.demo.digest,app.housekeeping",
+            "OUTBOX_ENABLED": "true",
+            "EMAIL_BACKEND": "http",
+            "EMAIL_API_URL": provider.url,
+            "EMAIL_API_KEY": "re_test_key",
+            "OUTBOX_RATE_LIMIT": "0",
+            "OUTBOX_POLL_INTERVAL": "0.2",
+        }
+        start_instance("upgraded", env, ready_path="/readyz")
+
+        async def sent() -> bool:
+            status = await fresh.fetchval(
+                "SELECT status FROM cronlock.email_outbox"
+                " WHERE idempotency_key = 'daily-digest:1764658800:1'"
+            )
+            return bool(status == "sent")
+
+        await wait_for(sent, 20, "the pending email of 0.1 to be delivered")
+        await asyncio.sleep(0.5)
+        assert provider.delivered() == {"daily-digest:1764658800:1": 1}
+    statuses = await fresh.fetch("SELECT status FROM cronlock.email_outbox ORDER BY id")
+    assert [r["status"] for r in statuses] == ["sent", "sent", "dead"]
+
+
+# --- least privilege -------------------------------------------------------------------------
+
+
+async def test_a_role_without_create_on_the_database_runs_in_schemas_a_dba_made(
+    fresh_url: str, fresh: asyncpg.Connection, run_cli: Cli, start_instance: Starter
+) -> None:
+    """The DBA's SQL of docs/existing-database.md: a login role, the schemas it owns, nothing
+    in public, no CREATE on the database."""
+    role = unique_name("cl_role")
+    dbname = await fresh.fetchval("SELECT current_database()")
+    await fresh.execute(APP_SQL)
+    await fresh.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'not-a-real-secret-1234'")
+    await fresh.execute(f"REVOKE ALL ON DATABASE {dbname} FROM PUBLIC")
+    await fresh.execute(f"GRANT CONNECT, TEMPORARY ON DATABASE {dbname} TO {role}")
+    await fresh.execute("REVOKE ALL ON SCHEMA public FROM PUBLIC")
+    parts = urlsplit(fresh_url)
+    url = urlunsplit(
+        parts._replace(netloc=f"{role}:not-a-real-secret-1234@{parts.hostname}:{parts.port}")
+    )
+    try:
+        run_cli.env(DATABASE_URL=url)
+        code, _, err = await run_cli("migrate")
+        assert code == 3
+        assert err.count("\n") == 1, err
+        assert "create schema cronlock failed: permission denied for database" in err
+        before = await snapshot(fresh)
+        # The DBA makes the schemas, owned by the role.
+        await fresh.execute(f"CREATE SCHEMA cronlock AUTHORIZATION {role}")
+        await fresh.execute(f"CREATE SCHEMA cronlock_demo AUTHORIZATION {role}")
+        code, _out, err = await run_cli("migrate")
+        assert code == 0, err
+        await fresh.execute(
+            "INSERT INTO cronlock_demo.users (email) VALUES ('a@example.com'), ('b@example.com')"
+        )
+        env = {"DATABASE_URL": url, "CRON_JOBS": "app.demo.digest,app.housekeeping"}
+        instance = start_instance("least", env, ready_path="/readyz")
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await post(client, instance.url + "/cron/daily-digest")
+            assert r.json().get("processed") == 2, r.text
+            r = await post(client, instance.url + "/cron/ledger-prune?force=true")
+            assert r.status_code == 200, r.text
+        instance.stop(5)
+        owned = await fresh.fetch(
+            """SELECT n.nspname, c.relname FROM pg_class c
+               JOIN pg_namespace n ON n.oid = c.relnamespace
+               WHERE pg_get_userbyid(c.relowner) = $1 AND n.nspname <> ALL($2)
+                 AND n.nspname NOT LIKE 'pg_toast%'""",
+            role,
+            list(OURS),
+        )
+        assert owned == []
+        assert await snapshot(fresh) == before
+    finally:
+        await fresh.execute("DROP SCHEMA IF EXISTS cronlock, cronlock_demo CASCADE")
+        await fresh.execute(f"DROP OWNED BY {role}")
+        await fresh.execute(f"DROP ROLE {role}")
+
+
+# --- migrations a DBA can review -----------------------------------------------------------
+
+
+async def test_migrate_sql_is_what_migrate_would_do(
+    fresh_url: str, fresh: asyncpg.Connection, run_cli: Cli, db: asyncpg.Connection
+) -> None:
+    """`--dry-run` lists the steps, `--sql` prints them; applied by hand, the database is
+    migrated: `migrate` finds nothing left and the tables have the shape `migrate` makes."""
+    run_cli.env(DATABASE_URL=fresh_url)
+    code, out, err = await run_cli("migrate", "--dry-run")
+    assert code == 0, err
+    assert out.splitlines() == [
+        "would apply: create schema cronlock",
+        "would apply: create table migrations",
+        "would apply: cronlock 0001_ledger",
+        "would apply: cronlock 0002_outbox",
+        "would apply: cronlock 0003_probe",
+        "would apply: app.demo.digest 0001_users",
+    ]
+    assert await fresh.fetchval("SELECT to_regnamespace('cronlock')") is None  # changed nothing
+    code, script, err = await run_cli("migrate", "--sql")
+    assert code == 0, err
+    assert script.count("BEGIN;") == 6
+    assert script.count("COMMIT;") == 6
+    assert "{schema}" not in script
+    await fresh.execute(script)
+    code, out, err = await run_cli("migrate", "--dry-run")
+    assert (code, out.strip()) == (0, "migrations are current")
+    for table in ("cronlock.runs", "cronlock.email_outbox", "cronlock_demo.users"):
+        assert await shape(fresh, table) == await shape(db, table)
+
+
+async def test_newer_migrations_than_the_code_knows_serve_on(
+    db: asyncpg.Connection, run_cli: Cli, database_url: str, start_instance: Starter
+) -> None:
+    """A rolling deploy: a newer instance migrated first. The old code serves and says so."""
+    await db.execute(
+        "INSERT INTO cronlock.migrations (module, version, name) VALUES ('cronlock', 99, 'later')"
+    )
+    instance = start_instance("old", {"CRON_JOBS": "tests.jobs"})
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.get(instance.url + "/readyz")
+        assert r.status_code == 200
+        assert "cronlock 0099_later" in r.json()["note"]
+        assert (await post(client, instance.url + "/cron/fast")).json()["processed"] == 1
+    run_cli.env(DATABASE_URL=database_url)
+    code, out, err = await run_cli("migrate")
+    assert code == 0
+    assert out.strip() == "migrations are current"
+    assert "newer than this code (cronlock 0099_later)" in err
+
+
+# --- errors in one line --------------------------------------------------------------------
+
+
+def run_migrate_process(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("CRON_", "DATABASE_"))}
+    full.update(env, PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "app", "migrate"],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+    )
+
+
+async def test_a_migration_that_fails_is_one_line_and_backs_off(
+    fresh_url: str, fresh: asyncpg.Connection, start_instance: Starter
+) -> None:
+    """A name taken: `migrate` exits 3 with one line (migration, object, cause), `/readyz`
+    answers 503 with it, and the instance retries with a growing delay, logging it once."""
+    await fresh.execute(APP_SQL)
+    env = {"DATABASE_URL": fresh_url, "CRON_JOBS": "tests.broken_jobs"}
+    done = await asyncio.to_thread(run_migrate_process, env)
+    assert done.returncode == 3
+    assert "Traceback" not in done.stderr + done.stdout
+    expected = (
+        'migration tests.broken_jobs 0001_users failed: relation "users" already exists'
+        " (SQLSTATE 42P07)"
+    )
+    assert done.stderr == f"cronlock: {expected}\n"
+    # cronlock's own migrations went in, each in its own transaction, before the failure.
+    versions = await fresh.fetch("SELECT module, version FROM cronlock.migrations ORDER BY 2")
+    assert [tuple(r) for r in versions] == [("cronlock", 1), ("cronlock", 2), ("cronlock", 3)]
+
+    instance = start_instance(
+        "broken", {**env, "MIGRATE_RETRY_INTERVAL": "0.1", "MIGRATE_RETRY_MAX": "0.8"}
+    )
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.get(instance.url + "/readyz")
+        assert r.status_code == 503
+        assert r.json()["reason"] == expected
+        r = await post(client, instance.url + "/cron/broken-noop")
+        assert r.status_code == 503
+    await asyncio.sleep(2)
+    log = instance.log_tail(400)
+    assert log.count("database not ready: migration tests.broken_jobs") == 1, log
+    assert "Traceback" not in log
+
+
+class CountingDatabase(Database):
+    checks = 0
+
+    async def check(self, *, apply_migrations: bool) -> str | None:
+        self.checks += 1
+        return await super().check(apply_migrations=apply_migrations)
+
+
+async def test_the_watcher_backs_off_while_a_migration_keeps_failing(
+    fresh_url: str, fresh: asyncpg.Connection
+) -> None:
+    """0.1 s doubling up to 0.4 s: 7 or so checks in 2 s, not the 20 a fixed interval makes."""
+    await fresh.execute(APP_SQL)
+    settings = Settings(
+        _env_file=None,
+        database_url=fresh_url,
+        cron_jobs="tests.broken_jobs",
+        migrate_retry_interval=0.1,
+        migrate_retry_max=0.4,
+    )
+    database = CountingDatabase(settings)
+    await database.open()
+    stop = asyncio.Event()
+    try:
+        watching = asyncio.create_task(database.watch(stop))
+        await asyncio.sleep(2.0)
+        stop.set()
+        await watching
+    finally:
+        await database.close()
+    assert database.problem is not None
+    assert "0001_users failed" in database.problem
+    assert 4 <= database.checks <= 9, database.checks
+
+
+async def test_a_migration_waiting_for_the_applications_lock_gives_up(
+    fresh_url: str, fresh: asyncpg.Connection
+) -> None:
+    """MIGRATE_LOCK_TIMEOUT: a DDL statement behind an application transaction fails (and is
+    retried later) instead of queueing the application's queries behind it."""
+    await fresh.execute(APP_SQL)
+    touch = Migration("tests.touch", 1, "jobs_note", "ALTER TABLE public.jobs ADD COLUMN n text")
+    sets = [*migration_sets([]), MigrationSet("tests.touch", (touch,))]
+    holder = await asyncpg.connect(fresh_url, statement_cache_size=0)
+    conn = await asyncpg.connect(fresh_url, statement_cache_size=0)
+    try:
+        async with holder.transaction():
+            await holder.execute("LOCK TABLE public.jobs IN ACCESS SHARE MODE")
+            with pytest.raises(MigrationError) as failed:
+                await migrate(conn, "cronlock", sets, lock_timeout=0.3)
+        assert failed.value.reason == (
+            "migration tests.touch 0001_jobs_note failed: canceling statement due to lock"
+            " timeout (SQLSTATE 55P03)"
+        )
+        assert await migrate(conn, "cronlock", sets, lock_timeout=0.3) == [
+            "tests.touch 0001_jobs_note"
+        ]
+    finally:
+        await holder.close()
+        await conn.close()
