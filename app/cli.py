@@ -24,16 +24,14 @@ import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import asyncpg
 from pydantic import ValidationError
 
-from app.errors import DatabaseUnavailable
+from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, describe
 from app.schema import MigrationError
 from app.settings import Settings, SettingsError
-
-if TYPE_CHECKING:
-    import asyncpg
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -60,6 +58,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
     except MigrationError as exc:
         return _fail(exc.reason, EXIT_UNAVAILABLE)
+    except asyncpg.UndefinedTableError:
+        return _fail(
+            f"cronlock's tables are not in schema {_schema()!r}: run python -m app migrate",
+            EXIT_UNAVAILABLE,
+        )
+    except CONNECTION_ERRORS as exc:
+        return _fail(f"database unavailable: {describe(exc)}", EXIT_UNAVAILABLE)
+    except asyncpg.PostgresError as exc:
+        # The server's own text can quote a row (addresses, bodies): its kind only.
+        return _fail(f"database error: {describe(exc)}", EXIT_UNAVAILABLE)
     except ValidationError as exc:
         # A setting from the environment or .env that does not parse: name it, no traceback.
         problems = "; ".join(
@@ -428,6 +436,15 @@ def _load_registry(settings: Settings) -> Any:
         return load(settings.job_modules, settings.lock_namespace, settings.db_schema)
     except JobDefinitionError as exc:
         raise SettingsError(str(exc)) from exc
+
+
+def _schema() -> str:
+    """DB_SCHEMA as configured, for a message (the settings were read before, or it is the
+    default)."""
+    try:
+        return Settings().db_schema
+    except (ValidationError, SettingsError):
+        return "cronlock"
 
 
 def _fail(message: str, code: int) -> int:

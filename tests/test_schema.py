@@ -674,3 +674,22 @@ async def test_a_migration_waiting_for_the_applications_lock_gives_up(
     finally:
         await holder.close()
         await conn.close()
+
+
+async def test_no_command_prints_a_traceback_on_a_database_without_cronlock(
+    fresh_url: str, run_cli: Cli
+) -> None:
+    """Commands against a database nobody migrated: exit 3 and one line that says what to do."""
+    run_cli.env(DATABASE_URL=fresh_url, MIGRATE_ON_START="false")
+    for command in (
+        ["jobs"],
+        ["runs"],
+        ["outbox", "dead"],
+        ["outbox", "requeue", "--all"],
+        ["run", "ledger-prune", "--force"],
+    ):
+        code, out, err = await run_cli(*command)
+        assert code == 3, (command, out, err)
+        assert err.count("\n") == 1, (command, err)
+        assert "Traceback" not in out + err
+        assert "migrat" in err, (command, err)
