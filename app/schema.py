@@ -258,7 +258,7 @@ class Step:
     sql: str
     record: Migration | None = None  # recorded in `{schema}.migrations` when it commits
 
-    def records(self, schema: str) -> list[tuple[str, int, str]]:
+    def records(self) -> list[tuple[str, int, str]]:
         """The (module, version, name) rows this step writes into `{schema}.migrations`."""
         if self.record is not None:
             return [(self.record.module, self.record.version, self.record.name)]
@@ -304,7 +304,7 @@ def script(schema: str, steps: Sequence[Step], lock_timeout: float) -> str:
         out += [
             f"INSERT INTO {quote(schema)}.migrations (module, version, name) "
             f"VALUES ('{module}', {version}, '{name}');"
-            for module, version, name in step.records(schema)
+            for module, version, name in step.records()
         ]
         out.append("COMMIT;")
     return "\n".join(out) + "\n"
@@ -339,7 +339,7 @@ async def migrate(
                 if not await _still_needed(conn, schema, step):
                     continue
                 await conn.execute(step.sql)
-                for record in step.records(schema):
+                for record in step.records():
                     await conn.execute(qualify(RECORD_SQL, schema), *record)
         except CONNECTION_ERRORS:
             raise  # the database went away, not the migration's fault: retried as an outage

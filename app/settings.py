@@ -89,9 +89,6 @@ class Settings(BaseSettings):
     # uvicorn waits for ever for running requests by default; a job in flight at SIGTERM
     # gets this long, then is cancelled and rolled back.
     graceful_shutdown_timeout: float = Field(default=30.0, gt=0)
-    # Two baseline routes for bench/ (constant JSON; one SELECT 1 through the pool), behind the
-    # cron secret like a trigger. Off in production.
-    bench_endpoints: bool = False
     # One log line per trigger, skips included. Off: "already running"/"already done" skips
     # go to DEBUG (still counted in /metrics), for deployments whose storms would flood logs.
     log_skips: bool = True

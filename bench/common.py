@@ -26,8 +26,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from app.cluster import REPO_ROOT, Instance
 from app.embedded import LocalPostgres
+from tests.support.cluster import REPO_ROOT, Instance
 
 BENCH_DIR = Path(__file__).resolve().parent
 # The bench jobs live next to the scripts; instances import them from the repo root.
@@ -117,7 +117,7 @@ async def drop_database(server: Server, name: str) -> None:
 def pin(pid: int, cpus: str) -> None:
     """Pin a process and its current children (a postmaster's backends) to `cpus`; children
     forked later inherit the affinity."""
-    from app.embedded import children_of
+    from tests.support.postgres import children_of
 
     for target in (pid, *children_of(pid)):
         subprocess.run(
@@ -131,6 +131,9 @@ def pin(pid: int, cpus: str) -> None:
 # --- app instances --------------------------------------------------------------------------
 
 
+BENCH_APP = "bench.app:create_app"
+
+
 def new_secret() -> str:
     """A fresh cron secret for this run; it travels in environments and 0600 files only."""
     return secrets.token_urlsafe(32)
@@ -141,7 +144,8 @@ class PinnedInstance(Instance):
     pid is uvicorn's)."""
 
     def __init__(self, name: str, env: dict[str, str], *, cpus: str | None, dir: Path) -> None:
-        super().__init__(name, env, dir=dir, ready_path="/readyz")
+        # The service plus bench/app.py's two baseline routes.
+        super().__init__(name, env, dir=dir, ready_path="/readyz", app_factory=BENCH_APP)
         self.cpus = cpus
 
     def command(self) -> list[str]:
@@ -155,7 +159,6 @@ def instance_env(dsn: str, secret: str, jobs: str = BENCH_JOBS, **extra: str) ->
         "CRON_SECRET": secret,
         "CRON_JOBS": jobs,
         "OUTBOX_ENABLED": "false",
-        "BENCH_ENDPOINTS": "true",
         "LOG_FORMAT": "json",
         **extra,
     }

@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import asyncpg
 
-from app.cluster import Instance, Nginx
 from bench.common import (
     PinnedInstance,
     Server,
@@ -39,6 +38,7 @@ from bench.common import (
     table,
     write_json,
 )
+from tests.support.cluster import Instance, Nginx
 
 JOB = "bench-storm"
 

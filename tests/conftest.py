@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import pytest
 
-from app.cluster import Instance, Nginx, PgBouncer
-from app.embedded import LocalPostgres
 from tests.support import TEST_SECRET
 from tests.support.binaries import require_binary
+from tests.support.cluster import Instance, Nginx, PgBouncer
 from tests.support.postgres import (
     ExternalPostgres,
     PostgresServer,
+    ScratchPostgres,
     cloned_database,
     create_database,
     drop_database,
@@ -75,7 +75,7 @@ def pg_server() -> Iterator[PostgresServer]:
         yield ExternalPostgres(url)
         return
     root = _scratch_dir("cronlock-pg-")
-    server = LocalPostgres(root / "pg", fast=True)
+    server = ScratchPostgres(root / "pg")
     try:
         server.start()
         yield server

@@ -26,8 +26,8 @@ import httpx
 import pytest
 
 from app import cli
-from app.cluster import Instance
 from tests.support import TEST_SECRET
+from tests.support.cluster import Instance
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
 Starter = Callable[..., Any]

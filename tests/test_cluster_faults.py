@@ -25,8 +25,8 @@ import asyncpg
 import httpx
 import pytest
 
-from app.cluster import Cluster, Instance
 from tests.support.binaries import require_binary
+from tests.support.cluster import Cluster, Instance
 from tests.support.faults import (
     CLUSTER_ENV,
     DB_TIMEOUT_MARGIN,

@@ -13,9 +13,10 @@ import asyncpg
 import httpx
 import pytest
 
-from app.cluster import Cluster, Instance, Nginx, PgBouncer, ServiceError, sizing
+from app.sizing import sizing
 from tests.support import TEST_SECRET, auth_headers
 from tests.support.binaries import require_binary
+from tests.support.cluster import Cluster, Instance, Nginx, PgBouncer, ServiceError
 from tests.support.postgres import PostgresServer
 
 ECHO_APP = "tests.support.echo_app:create_app"

@@ -21,9 +21,8 @@ import asyncpg
 import httpx
 import pytest
 
-from app.cluster import Cluster, Instance
-from app.embedded import LocalPostgres, start_standby
 from tests.support.binaries import require_binary
+from tests.support.cluster import Cluster, Instance
 from tests.support.faults import (
     CLUSTER_ENV,
     DB_QUERY_TIMEOUT,
@@ -34,12 +33,14 @@ from tests.support.faults import (
     settle,
     start_cluster,
 )
+from tests.support.postgres import ScratchPostgres, start_standby
 from tests.util import AUTH, lock_held, post, runs, wait_for
 
 pytestmark = pytest.mark.cluster
 
 # How long a trigger or /readyz may take to answer while the database is away: PgBouncer's
-# query_wait_timeout (app.cluster) or the pool's connect timeout, plus scheduling slack.
+# query_wait_timeout (tests/support/cluster.py) or the pool's connect timeout, plus
+# scheduling slack.
 ANSWER_BOUND = 8.0
 
 
@@ -51,9 +52,9 @@ def root() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def postgres(root: Path) -> Iterator[LocalPostgres]:
+def postgres(root: Path) -> Iterator[ScratchPostgres]:
     """A PostgreSQL of this module's own: the tests stop, restart and clone it."""
-    server = LocalPostgres(root / "pg", fast=True)
+    server = ScratchPostgres(root / "pg")
     server.start()
     try:
         yield server
@@ -62,7 +63,7 @@ def postgres(root: Path) -> Iterator[LocalPostgres]:
 
 
 @pytest.fixture(scope="module")
-def cluster(postgres: LocalPostgres, root: Path) -> Iterator[Cluster]:
+def cluster(postgres: ScratchPostgres, root: Path) -> Iterator[Cluster]:
     require_binary("pgbouncer")
     require_binary("nginx")
     started = start_cluster(root / "cluster", postgres.dsn())
@@ -73,7 +74,7 @@ def cluster(postgres: LocalPostgres, root: Path) -> Iterator[Cluster]:
 
 
 @contextlib.asynccontextmanager
-async def observe(postgres: LocalPostgres) -> AsyncIterator[asyncpg.Connection]:
+async def observe(postgres: ScratchPostgres) -> AsyncIterator[asyncpg.Connection]:
     """A direct connection to PostgreSQL (a restart ends the previous one)."""
     conn = await asyncpg.connect(postgres.dsn(), statement_cache_size=0)
     try:
@@ -85,7 +86,7 @@ async def observe(postgres: LocalPostgres) -> AsyncIterator[asyncpg.Connection]:
 @pytest.fixture(autouse=True)
 async def _fresh(
     cluster: Cluster,
-    postgres: LocalPostgres,
+    postgres: ScratchPostgres,
     report_logs: Callable[[list[Instance]], None],
 ) -> AsyncIterator[None]:
     report_logs(cluster.instances)
@@ -183,7 +184,7 @@ async def settled_ledger(
 
 
 async def test_postgres_restart_mid_job(
-    cluster: Cluster, postgres: LocalPostgres, client: httpx.AsyncClient
+    cluster: Cluster, postgres: ScratchPostgres, client: httpx.AsyncClient
 ) -> None:
     holder = cluster.instances[0]
     pids = [i.pid for i in cluster.instances]
@@ -210,7 +211,7 @@ async def test_postgres_restart_mid_job(
 
 
 async def test_postgres_down_for_a_while(
-    cluster: Cluster, postgres: LocalPostgres, client: httpx.AsyncClient
+    cluster: Cluster, postgres: ScratchPostgres, client: httpx.AsyncClient
 ) -> None:
     pids = [i.pid for i in cluster.instances]
     postgres.stop("fast")
@@ -230,7 +231,7 @@ async def test_postgres_down_for_a_while(
 
 
 async def test_pgbouncer_restarted(
-    cluster: Cluster, postgres: LocalPostgres, client: httpx.AsyncClient
+    cluster: Cluster, postgres: ScratchPostgres, client: httpx.AsyncClient
 ) -> None:
     assert cluster.pgbouncer is not None
     holder = cluster.instances[1]
@@ -259,7 +260,7 @@ async def test_pgbouncer_restarted(
 
 
 async def test_pgbouncer_frozen_answers_503_not_never(
-    cluster: Cluster, postgres: LocalPostgres, client: httpx.AsyncClient
+    cluster: Cluster, postgres: ScratchPostgres, client: httpx.AsyncClient
 ) -> None:
     """A pooler that stops answering with its sockets open (SIGSTOP): no error ever reaches
     the instances on their own, only DB_QUERY_TIMEOUT ends their waits."""
@@ -303,7 +304,7 @@ async def mid_job(db: asyncpg.Connection, job: str) -> bool:
 
 
 async def test_instance_on_a_hot_standby_refuses_jobs(
-    cluster: Cluster, postgres: LocalPostgres, client: httpx.AsyncClient, root: Path
+    cluster: Cluster, postgres: ScratchPostgres, client: httpx.AsyncClient, root: Path
 ) -> None:
     """Advisory locks on a standby coordinate nothing with the primary: an instance pointed
     at one stays up, refuses jobs with 503 and says why; the others carry on."""

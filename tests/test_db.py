@@ -16,13 +16,14 @@ import httpx
 import pytest
 
 from app.db import Database
-from app.embedded import LocalPostgres, free_port, start_standby
+from app.embedded import free_port
 from app.errors import DatabaseUnavailable, JobDefinitionError
 from app.jobs import Job, Registry, job, load
 from app.lock import hashtextextended, lock_key, probe
 from app.runner import Runner
 from app.schema import LOCK_SQL, cronlock_migrations, migrate_lock
 from app.settings import Settings
+from tests.support.postgres import ScratchPostgres, start_standby
 from tests.util import AUTH, post, runs, wait_for
 
 Starter = Callable[..., Any]
@@ -201,7 +202,7 @@ async def test_instance_started_while_database_is_down(
     tmp_path: Path, start_instance: Starter
 ) -> None:
     port = free_port()
-    server = LocalPostgres(tmp_path / "pg", port, fast=True)
+    server = ScratchPostgres(tmp_path / "pg", port)
     instance = start_instance("early", {"DATABASE_URL": server.dsn("postgres")})
     async with httpx.AsyncClient(timeout=10) as client:
         assert (await client.get(instance.url + "/healthz")).status_code == 200

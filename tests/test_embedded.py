@@ -1,4 +1,5 @@
-"""LocalPostgres and start_standby against real servers of their own (not the session's)."""
+"""The embedded server (app/embedded.py, as the tests extend it) and start_standby, against
+real servers of their own (not the session's)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from app.embedded import LocalPostgres, PostgresError, start_standby
+from app.embedded import LocalPostgres, PostgresError
+from tests.support.postgres import ScratchPostgres, start_standby
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +23,8 @@ def scratch() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def primary(scratch: Path) -> Iterator[LocalPostgres]:
-    server = LocalPostgres(scratch / "primary", fast=True, settings={"work_mem": "8MB"})
+def primary(scratch: Path) -> Iterator[ScratchPostgres]:
+    server = ScratchPostgres(scratch / "primary", settings={"work_mem": "8MB"})
     server.start()
     yield server
     server.stop("immediate")
@@ -36,7 +38,7 @@ async def fetchval(dsn: str, query: str) -> object:
         await conn.close()
 
 
-async def test_start_applies_the_settings(primary: LocalPostgres) -> None:
+async def test_start_applies_the_settings(primary: ScratchPostgres) -> None:
     assert primary.dsn() == f"postgresql://postgres@127.0.0.1:{primary.port}/postgres"
     assert await fetchval(primary.dsn(), "SHOW max_connections") == "300"
     assert await fetchval(primary.dsn(), "SHOW fsync") == "off"
@@ -46,21 +48,21 @@ async def test_start_applies_the_settings(primary: LocalPostgres) -> None:
     assert (primary.bindir / "postgres").is_file()
 
 
-async def test_a_running_data_dir_is_reused(primary: LocalPostgres) -> None:
+async def test_a_running_data_dir_is_reused(primary: ScratchPostgres) -> None:
     again = LocalPostgres(primary.data_dir)
     assert again.start() == primary.dsn()
     assert again.port == primary.port
 
 
 @pytest.fixture(scope="module")
-def server(scratch: Path) -> Iterator[LocalPostgres]:
+def server(scratch: Path) -> Iterator[ScratchPostgres]:
     """A second server for the destructive tests; each test starts it (start is idempotent)."""
-    server = LocalPostgres(scratch / "lifecycle", fast=True)
+    server = ScratchPostgres(scratch / "lifecycle")
     yield server
     server.stop("immediate")
 
 
-async def test_stop_then_start_keeps_data_and_port(server: LocalPostgres) -> None:
+async def test_stop_then_start_keeps_data_and_port(server: ScratchPostgres) -> None:
     dsn = server.start()
     await fetchval(dsn, "CREATE TABLE IF NOT EXISTS kept AS SELECT 42 AS answer")
     server.stop()
@@ -74,7 +76,7 @@ async def test_stop_then_start_keeps_data_and_port(server: LocalPostgres) -> Non
     assert await fetchval(dsn, "SELECT answer FROM kept") == 42
 
 
-async def test_kill_is_a_crash_the_server_recovers_from(server: LocalPostgres) -> None:
+async def test_kill_is_a_crash_the_server_recovers_from(server: ScratchPostgres) -> None:
     dsn = server.start()
     await fetchval(dsn, "CREATE TABLE IF NOT EXISTS survived AS SELECT 1 AS one")
     conn = await asyncpg.connect(dsn)
@@ -89,10 +91,10 @@ async def test_kill_is_a_crash_the_server_recovers_from(server: LocalPostgres) -
     assert "not properly shut down; automatic recovery in progress" in server.read_log()
 
 
-def test_a_broken_setting_fails_with_the_server_log(server: LocalPostgres) -> None:
+def test_a_broken_setting_fails_with_the_server_log(server: ScratchPostgres) -> None:
     server.start()
     server.stop()
-    broken = LocalPostgres(server.data_dir, fast=True, settings={"shared_buffers": "nonsense"})
+    broken = ScratchPostgres(server.data_dir, settings={"shared_buffers": "nonsense"})
     with pytest.raises(PostgresError, match="shared_buffers"):
         broken.start()
     assert not broken.is_running()
@@ -102,7 +104,7 @@ def test_a_broken_setting_fails_with_the_server_log(server: LocalPostgres) -> No
 
 
 async def test_standby_is_in_recovery_and_follows_the_primary(
-    primary: LocalPostgres, scratch: Path
+    primary: ScratchPostgres, scratch: Path
 ) -> None:
     await fetchval(primary.dsn(), "CREATE TABLE replicated AS SELECT 7 AS seven")
     standby = start_standby(primary, scratch / "standby")

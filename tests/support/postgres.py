@@ -1,19 +1,129 @@
-"""The PostgreSQL server the tests use: a local one we own, or `DATABASE_URL` (not ours)."""
+"""The PostgreSQL server the tests use: a local one we own, or `DATABASE_URL` (not ours).
+
+`ScratchPostgres` is the product's embedded server (app/embedded.py) with what only tests
+need: no fsync, a crash on demand (`kill`), a restart, and a streaming standby.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import NoReturn, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
+from app.embedded import (
+    STOP_TIMEOUT,
+    SUPERUSER,
+    LocalPostgres,
+    PostgresError,
+    pid_alive,
+    prepare_dir,
+    run_tool,
+    wait_gone,
+)
+
+# Durability against an OS crash traded for speed: only for throwaway test servers. Not
+# synchronous_commit=off: that loses acknowledged commits when the *process* is killed (WAL
+# still in shared memory), and fault tests kill() the server and count committed rows.
+FAST_SETTINGS = {"fsync": "off", "full_page_writes": "off"}
+# So `pg_basebackup -R` can clone the server into a standby that answers read-only queries
+# (PostgreSQL's defaults too; written down because start_standby relies on them).
+STANDBY_READY = {"wal_level": "replica", "max_wal_senders": "5", "hot_standby": "on"}
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+class ScratchPostgres(LocalPostgres):
+    """A throwaway server: `fast` (the default) skips fsync, which tests never need."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        settings: dict[str, str] | None = None,
+        fast: bool = True,
+        bindir: Path | None = None,
+    ) -> None:
+        self.fast = fast
+        super().__init__(
+            data_dir,
+            port,
+            settings={**STANDBY_READY, **(FAST_SETTINGS if fast else {}), **(settings or {})},
+            initdb_options=["--no-sync"] if fast else [],
+            bindir=bindir,
+        )
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster, as a crash would; returns once its children are gone too.
+
+        The children notice the postmaster's death and exit on their own; waiting for them
+        matters because a restart refuses while they still hold the shared memory.
+        """
+        self.forget()
+        pid = self.postmaster_pid()
+        if pid is None or not pid_alive(pid):
+            self._reap(STOP_TIMEOUT)
+            return
+        children = children_of(pid)
+        os.kill(pid, signal.SIGKILL)
+        self._reap(STOP_TIMEOUT)
+        survivors = wait_gone([pid, *children], timeout=15.0)
+        for straggler in survivors:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(straggler, signal.SIGKILL)
+        if wait_gone(survivors, timeout=5.0):
+            raise PostgresError(f"processes of the killed server survive: {survivors}")
+
+    def restart(self) -> str:
+        """Stop (fast) if running, start again on the same port."""
+        self.stop()
+        return self.start()
+
+
+def start_standby(
+    primary: ScratchPostgres, data_dir: Path, port: int | None = None
+) -> ScratchPostgres:
+    """A hot standby streaming from `primary`, started and accepting (read-only) connections."""
+    data_dir = Path(data_dir).resolve()
+    prepare_dir(data_dir.parent, mode=0o755, own=False)
+    prepare_dir(data_dir)
+    args = [primary.tool("pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port)]
+    args += ["-U", SUPERUSER, "-D", data_dir.name, "-R", "-X", "stream", "-c", "fast"]
+    if primary.fast:
+        args.append("--no-sync")
+    run_tool(args, timeout=120.0, cwd=data_dir.parent)
+    extra = {k: v for k, v in primary.settings.items() if k not in FAST_SETTINGS}
+    standby = ScratchPostgres(
+        data_dir,
+        port,
+        settings={**extra, "hot_standby": "on"},
+        fast=primary.fast,
+        bindir=primary.bindir,
+    )
+    standby.start()
+    return standby
+
 
 class PostgresServer(Protocol):
-    """What tests may rely on from `pg_server`: LocalPostgres has all of it."""
+    """What tests may rely on from `pg_server`: ScratchPostgres has all of it."""
 
     @property
     def port(self) -> int: ...

@@ -1,5 +1,6 @@
 """A real cluster on one machine: PostgreSQL, PgBouncer (transaction mode), N uvicorn instances
-and nginx in front, all on 127.0.0.1. `python -m app.cluster --help`; the tests use the parts.
+and nginx in front, all on 127.0.0.1. `scripts/cluster --help`; the tests and bench/ use the
+parts. Test and demo infrastructure: not part of the product's package.
 
 Each server is a child process in its own process group, killed with its group, so nginx
 workers or a job's subprocesses never outlive it; anything still running at exit is stopped.
@@ -26,15 +27,16 @@ from urllib.parse import quote, urlsplit
 
 from app.embedded import (
     SUPERUSER,
-    LocalPostgres,
     as_service_user,
     chown_to_service,
     free_port,
     prepare_dir,
     tail,
 )
+from app.sizing import sizing
+from tests.support.postgres import ScratchPostgres
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_APP = "app.main:create_app"
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
@@ -44,45 +46,6 @@ INHERIT_BLOCKLIST = ("DATABASE_", "CRON_")
 
 class ServiceError(RuntimeError):
     """A cluster process failed to start, or died; the message carries its log tail."""
-
-
-# --- sizing ---------------------------------------------------------------------------------
-
-
-def sizing(instances: int, pool_per_instance: int, burst: int = 1000) -> dict[str, int]:
-    """Connection limits for `instances` app processes with asyncpg pools of `pool_per_instance`,
-    taking `burst` concurrent triggers through the load balancer at once.
-
-    - PgBouncer `default_pool_size` = instances x pool: a cron run holds its server connection
-      for its whole transaction (that is where the advisory lock lives), so a smaller pool
-      would make lock attempts queue inside PgBouncer instead of answering "skipped" at once.
-      PgBouncer's worth here is multiplexing idle clients and absorbing instance churn.
-    - PgBouncer `reserve_pool_size` = one instance's pool: room for a restarting instance
-      whose predecessor's connections have not been closed yet.
-    - PgBouncer `max_client_conn` = 2 x instances x pool + 20: during a rolling restart old
-      and new processes are both connected; 20 for CLI runs, migrations and monitoring.
-    - PostgreSQL `max_connections` = default_pool_size + reserve_pool_size + instances
-      (one direct LISTEN connection each, which cannot go through transaction pooling)
-      + 10 (psql, migrations, backups) + 3 (superuser_reserved_connections).
-    - nginx `worker_connections` >= 2 x concurrent client requests + upstream keepalive: each
-      proxied request holds a client and an upstream connection. A storm of skips is cheap for
-      the instances but not for nginx: size it for the whole burst, never below 1024.
-    - nginx upstream `keepalive` = instances x pool: one idle connection per request an
-      instance can serve at once, so steady load opens no new TCP connections.
-    """
-    if instances < 1 or pool_per_instance < 1:
-        raise ValueError("instances and pool_per_instance must be at least 1")
-    pooled = instances * pool_per_instance
-    reserve = pool_per_instance
-    keepalive = pooled
-    return {
-        "pgbouncer_default_pool_size": pooled,
-        "pgbouncer_reserve_pool_size": reserve,
-        "pgbouncer_max_client_conn": 2 * pooled + 20,
-        "postgres_max_connections": pooled + reserve + instances + 10 + 3,
-        "nginx_worker_connections": max(1024, 2 * burst + keepalive),
-        "nginx_keepalive": keepalive,
-    }
 
 
 # --- a child process ------------------------------------------------------------------------
@@ -605,11 +568,11 @@ class Cluster:
         self.env = dict(env or {})
         self.app_factory = app_factory
         self.nginx_port = nginx_port
-        self.postgres: LocalPostgres | None = None
+        self.postgres: ScratchPostgres | None = None
         self.pgbouncer: PgBouncer | None = None
         self.instances: list[Instance] = []
         self.nginx: Nginx | None = None
-        self.secret_source = "CRON_SECRET"  # noqa: S105 (a variable name, not a secret)
+        self.secret_source = "CRON_SECRET"
 
     @property
     def postgres_dsn(self) -> str:
@@ -629,7 +592,7 @@ class Cluster:
     def _start(self) -> None:
         if not self.database_url:
             max_connections = max(300, self.sizes["postgres_max_connections"])
-            self.postgres = LocalPostgres(
+            self.postgres = ScratchPostgres(
                 self.dir / "pg", settings={"max_connections": str(max_connections)}
             )
             self.postgres.start()
@@ -724,7 +687,7 @@ class Cluster:
         assert self.pgbouncer is not None
         header = (
             f'-H "Authorization: Bearer $(cat {self.secret_path})"'
-            if self.secret_source != "CRON_SECRET"  # noqa: S105
+            if self.secret_source != "CRON_SECRET"
             else '-H "Authorization: Bearer $CRON_SECRET"'
         )
         lines = [
@@ -770,7 +733,7 @@ def _raise_exit(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m app.cluster",
+        prog="scripts/cluster",
         description="Run PostgreSQL + PgBouncer + N instances + nginx on 127.0.0.1.",
     )
     parser.add_argument("--instances", type=int, default=3)
