@@ -21,14 +21,14 @@ import hashlib
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from app.jobs import Job, Registry
-from app.schedule import MACROS, Schedule
+from app.schedule import Fields, Schedule
 
 Format = Literal["crontab", "kubernetes", "vercel", "compose"]
 FORMATS: tuple[Format, ...] = ("crontab", "kubernetes", "vercel", "compose")
@@ -48,32 +48,12 @@ K8S_SECRET_DIR = "/var/run/secrets/cronlock"  # noqa: S105 - a path, not a secre
 # service's clean 504 arrives before the client gives up.
 CURL_MARGIN = 30
 
-_MONTH_NAMES = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
-_DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
-
 
 class ExportError(ValueError):
     """The registry cannot be expressed in the chosen format."""
 
 
 # --- cron lines in UTC ----------------------------------------------------------------------
-
-
-def _numeric(expr: str) -> list[str]:
-    """The five fields of `expr` with macros expanded and month/day names as numbers (Vercel
-    accepts numbers only; cron accepts both)."""
-    text = expr.strip()
-    text = MACROS.get(text.lower(), text)
-    fields = text.split()
-
-    def numbers(field: str, names: Sequence[str], first: int) -> str:
-        for number, name in enumerate(names, start=first):
-            field = re.sub(name, str(number), field, flags=re.IGNORECASE)
-        return field
-
-    fields[3] = numbers(fields[3], _MONTH_NAMES, 1)
-    fields[4] = numbers(fields[4], _DAY_NAMES, 0)
-    return fields
 
 
 def _render(values: Iterable[int]) -> str:
@@ -130,14 +110,14 @@ class CronLine:
 
 
 def zone_offsets(schedule: Schedule, start: datetime, days: int = 366) -> list[timedelta]:
-    """The UTC offsets `schedule`'s zone has from `start` on, current first."""
-    zone = schedule._compiled.zone
-    seen: list[timedelta] = []
+    """The UTC offsets `schedule`'s zone has from `start` on, ascending (so that what is
+    written does not depend on the season it is written in)."""
+    seen: set[timedelta] = set()
     for hour in range(days * 24 + 1):
-        offset = (start + timedelta(hours=hour)).astimezone(zone).utcoffset()
-        if offset is not None and offset not in seen:
-            seen.append(offset)
-    return seen
+        offset = (start + timedelta(hours=hour)).astimezone(schedule.zone).utcoffset()
+        if offset is not None:
+            seen.add(offset)
+    return sorted(seen)
 
 
 def utc_lines(schedule: Schedule, start: datetime | None = None) -> list[CronLine]:
@@ -149,19 +129,18 @@ def utc_lines(schedule: Schedule, start: datetime | None = None) -> list[CronLin
     previous month") are over-approximated (28-31): the lines may fire more often than the
     schedule, never less, and the service's slot check drops the extras.
     """
-    compiled = schedule._compiled
-    _, _, dom_text, month_text, dow_text = _numeric(schedule.expr)
+    fields = schedule.fields
     start = start or datetime.now(UTC)
     lines: list[CronLine] = []
     for offset in zone_offsets(schedule, start):
         shift_minutes = int(offset.total_seconds() // 60)
         by_day: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
-        for local in compiled.times:
+        for local in fields.times:
             utc_minute = local - shift_minutes
             day, of_day = divmod(utc_minute, 1440)
             by_day[day][of_day // 60].add(of_day % 60)
         for day, hours in sorted(by_day.items()):
-            days = _shifted_days(day, dom_text, month_text, dow_text, compiled)
+            days = _shifted_days(day, fields)
             # Hours that share their minutes share a line.
             grouped: dict[frozenset[int], set[int]] = defaultdict(set)
             for hour, of_hour in hours.items():
@@ -177,21 +156,22 @@ DayFields = tuple[
 ]
 
 
-def _shifted_days(
-    shift: int, dom_text: str, month_text: str, dow_text: str, compiled: Any
-) -> list[DayFields]:
+def _text_fields(fields: Fields) -> DayFields:
+    """The day fields as the job wrote them (names as numbers), None for `*`."""
+    dom, month, dow = (None if text == "*" else text for text in fields.text[2:])
+    return dom, month, dow
+
+
+def _shifted_days(shift: int, fields: Fields) -> list[DayFields]:
     """The day fields for ticks whose UTC day is `shift` days from their local day."""
-
-    def text(field: str) -> str | None:
-        return None if field == "*" else field
-
     if shift == 0:
-        return [(text(dom_text), text(month_text), text(dow_text))]
+        return [_text_fields(fields)]
     if shift not in (-1, 1):
         raise ExportError("a UTC offset beyond a day cannot occur")  # Python caps offsets at 24 h
-    dows = None if dow_text == "*" else frozenset((d + shift) % 7 for d in compiled.dows)
-    months: frozenset[int] | None = None if month_text == "*" else frozenset(compiled.months)
-    doms: frozenset[int] | None = None if dom_text == "*" else frozenset(compiled.doms)
+    _, _, dom_text, month_text, dow_text = fields.text
+    dows = None if dow_text == "*" else frozenset((d + shift) % 7 for d in fields.dows)
+    months = None if month_text == "*" else fields.months
+    doms = None if dom_text == "*" else fields.doms
     if doms is None and months is None:
         return [(None, None, dows)]
 
@@ -253,16 +233,10 @@ def job_lines(job: Job, start: datetime, *, split_days: bool = False) -> list[st
     """The UTC cron expressions that trigger `job`."""
     assert job.schedule is not None
     if _is_utc(job, start):
-        fields = _numeric(job.schedule.expr)
-        line = CronLine(
-            frozenset(),
-            frozenset(),
-            None if fields[2] == "*" else fields[2],
-            None if fields[3] == "*" else fields[3],
-            None if fields[4] == "*" else fields[4],
-        )
+        fields = job.schedule.fields
+        line = CronLine(frozenset(), frozenset(), *_text_fields(fields))
         days = line.split_days() if split_days else [line]
-        return [" ".join(fields[:2] + d.fields()[2:]) for d in days]
+        return [" ".join(fields.text[:2] + tuple(d.fields()[2:])) for d in days]
     found = utc_lines(job.schedule, start)
     if split_days:
         found = [part for line in found for part in line.split_days()]
@@ -493,70 +467,23 @@ COMPOSE_HEADER = """\
 """
 
 
-def _shell_set(values: frozenset[int] | str | None, low: int, high: int) -> str | None:
-    """A field as an explicit comma list for the loop's `has`, or None for `*`."""
-    if values is None:
-        return None
-    if isinstance(values, str):
-        return ",".join(str(v) for v in sorted(_expand_field(values, low, high)))
-    return ",".join(str(v) for v in sorted(values))
+def _line_condition(fields: Fields) -> str:
+    """The shell test that matches a UTC cron line's fields, as cron would."""
+    _, _, dom_text, month_text, dow_text = fields.text
 
+    def has(values: frozenset[int], var: str) -> str:
+        return f'has {",".join(str(v) for v in sorted(values))} "${var}"'
 
-def _expand_field(text: str, low: int, high: int) -> set[int]:
-    found: set[int] = set()
-    for item in text.split(","):
-        base, _, step = item.partition("/")
-        if base == "*":
-            first, last = low, high
-        elif "-" in base:
-            a, _, b = base.partition("-")
-            first, last = int(a), int(b)
-        else:
-            first = int(base)
-            last = high if step else first
-        found.update(range(first, last + 1, int(step) if step else 1))
-    if high == 6:  # day-of-week 7 is Sunday
-        found = {v % 7 for v in found}
-    return found
-
-
-def _line_condition(line: CronLine) -> str:
-    tests = [
-        f'has {_shell_set(line.minutes, 0, 59)} "$M"',
-        f'has {_shell_set(line.hours, 0, 23)} "$H"',
-    ]
-    month = _shell_set(line.month, 1, 12)
-    if month is not None:
-        tests.append(f'has {month} "$MO"')
-    dom = _shell_set(line.dom, 1, 31)
-    dow = _shell_set(line.dow, 0, 6)
-    if dom is not None and dow is not None and _either_day(line):
-        tests.append(f'{{ has {dom} "$D" || has {dow} "$W"; }}')
+    tests = [has(fields.minutes, "M"), has(fields.hours, "H")]
+    if month_text != "*":
+        tests.append(has(fields.months, "MO"))
+    dom = has(fields.doms, "D") if dom_text != "*" else None
+    dow = has(fields.dows, "W") if dow_text != "*" else None
+    if dom is not None and dow is not None and fields.either_day:
+        tests.append(f"{{ {dom} || {dow}; }}")
     else:
-        if dom is not None:
-            tests.append(f'has {dom} "$D"')
-        if dow is not None:
-            tests.append(f'has {dow} "$W"')
+        tests.extend(test for test in (dom, dow) if test is not None)
     return " && ".join(tests)
-
-
-def _either_day(line: CronLine) -> bool:
-    """Cron's day rule: both fields restricted (neither starts with `*`) means EITHER."""
-    dom, dow = line.dom, line.dow
-    return not (isinstance(dom, str) and dom.startswith("*")) and not (
-        isinstance(dow, str) and dow.startswith("*")
-    )
-
-
-def _parse_line(text: str) -> CronLine:
-    minute, hour, dom, month, dow = text.split()
-    return CronLine(
-        frozenset(_expand_field(minute, 0, 59)),
-        frozenset(_expand_field(hour, 0, 23)),
-        None if dom == "*" else dom,
-        None if month == "*" else month,
-        None if dow == "*" else dow,
-    )
 
 
 def compose_script(registry: Registry, *, url: str, secret_path: str, start: datetime) -> str:
@@ -579,7 +506,7 @@ def compose_script(registry: Registry, *, url: str, secret_path: str, start: dat
     for job in _scheduled(registry):
         timeout = int(job.timeout) + CURL_MARGIN
         for text in job_lines(job, start):
-            condition = _line_condition(_parse_line(text))
+            condition = _line_condition(Schedule(text, "UTC").fields)
             lines.append(f"    # {job.name}: {text}")
             lines.append(
                 f"    if {condition}; then fire {job.name} {timeout} {_url(url, job)} & fi"
@@ -642,65 +569,76 @@ def export(
 
 # --- a small YAML writer ----------------------------------------------------------------------
 # PyYAML is a development dependency only; the service's output is simple enough to write by
-# hand: block mappings and sequences, JSON-quoted scalars (valid YAML), `|` for scripts.
+# hand: block mappings and sequences, `|` for scripts, JSON-quoted strings (JSON's string syntax
+# is YAML's double-quoted style, but for the characters YAML reads as line breaks or refuses).
+# tests/test_export.py checks that yaml.safe_load reads every output back equal.
 
-_PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]*$")
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
+# Plain words YAML 1.1 (PyYAML) reads as booleans or null.
+_YAML_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"}
+_UNSAFE_IN_QUOTES = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ud800-\udfff\ufffe\uffff]")
+
+
+def _quoted(text: str) -> str:
+    return _UNSAFE_IN_QUOTES.sub(
+        lambda m: f"\\u{ord(m.group()):04x}", json.dumps(text, ensure_ascii=False)
+    )
 
 
 def _scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(str(value))
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return {"nan": ".nan", "inf": ".inf", "-inf": "-.inf"}[repr(value)]
+        text = repr(value)  # YAML 1.1 wants a dot in a float: 1e+16 is 1.0e+16
+        return text if "." in text or "e" not in text else text.replace("e", ".0e")
+    if isinstance(value, dict | list) and not value:
+        return "{}" if isinstance(value, dict) else "[]"
+    return _quoted(str(value))
 
 
 def _key(key: str) -> str:
-    return key if _PLAIN_KEY.match(key) else json.dumps(key)
+    plain = _PLAIN_KEY.fullmatch(key) and key.lower() not in _YAML_WORDS
+    return key if plain else _quoted(key)
 
 
-def to_yaml(value: Any, indent: int = 0) -> str:
-    pad = " " * indent
-    if isinstance(value, dict):
-        if not value:
-            return pad + "{}\n"
-        out = []
-        for key, item in value.items():
-            if isinstance(item, dict | list) and item:
-                out.append(f"{pad}{_key(key)}:\n{to_yaml(item, indent + 2)}")
-            elif isinstance(item, str) and "\n" in item:
-                out.append(f"{pad}{_key(key)}: {_block(item, indent + 2)}")
-            else:
-                out.append(f"{pad}{_key(key)}: {_inline(item)}\n")
-        return "".join(out)
-    if isinstance(value, list):
-        if not value:
-            return pad + "[]\n"
-        out = []
-        for item in value:
-            if isinstance(item, dict) and item:
-                nested = to_yaml(item, indent + 2)
-                out.append(f"{pad}- {nested[indent + 2 :]}")
-            elif isinstance(item, str) and "\n" in item:
-                out.append(f"{pad}- {_block(item, indent + 2)}")
-            else:
-                out.append(f"{pad}- {_inline(item)}\n")
-        return "".join(out)
-    return pad + _scalar(value) + "\n"
-
-
-def _inline(value: Any) -> str:
-    if isinstance(value, dict) and not value:
-        return "{}"
-    if isinstance(value, list) and not value:
-        return "[]"
-    return _scalar(value)
+def _literal(text: str) -> bool:
+    """Whether `text` can be a `|` block: several lines, no leading space (which would set the
+    block's indentation), only characters a block keeps as they are."""
+    return (
+        "\n" in text
+        and not text[0].isspace()
+        and all(ch in "\t\n" or ch.isprintable() for ch in text)
+    )
 
 
 def _block(text: str, indent: int) -> str:
     pad = " " * indent
-    keep = "|+" if text.endswith("\n\n") else "|" if text.endswith("\n") else "|-"
-    body = "".join(f"{pad}{line}\n" if line else "\n" for line in text.rstrip("\n").split("\n"))
-    return f"{keep}\n{body}"
+    lines = text.rstrip("\n")
+    ending = len(text) - len(lines)  # trailing newlines: strip, clip or keep them
+    chomp = "-" if ending == 0 else "" if ending == 1 else "+"
+    body = "".join(f"{pad}{line}\n" if line else "\n" for line in lines.split("\n"))
+    return f"|{chomp}\n{body}" + "\n" * max(ending - 1, 0)
+
+
+def to_yaml(value: Any, indent: int = 0) -> str:
+    """`value` (dicts with string keys, lists, strings, numbers, booleans, None) as YAML."""
+    pad = " " * indent
+    if not (isinstance(value, dict | list) and value):
+        return pad + _scalar(value) + "\n"
+    pairs = value.items() if isinstance(value, dict) else (("-", item) for item in value)
+    out = []
+    for key, item in pairs:
+        head = f"{pad}{_key(key)}:" if isinstance(value, dict) else f"{pad}-"
+        if isinstance(item, dict) and item and isinstance(value, list):
+            out.append(f"{head} {to_yaml(item, indent + 2)[indent + 2 :]}")  # - key: value
+        elif isinstance(item, dict | list) and item:
+            out.append(f"{head}\n{to_yaml(item, indent + 2)}")
+        elif isinstance(item, str) and _literal(item):
+            out.append(f"{head} {_block(item, indent + 2)}")
+        else:
+            out.append(f"{head} {_scalar(item)}\n")
+    return "".join(out)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-__all__ = ["Schedule", "ScheduleError"]
+__all__ = ["MACROS", "Fields", "Schedule", "ScheduleError"]
 
 _DAY = timedelta(days=1)
 # Python bounds every UTC offset by 24 h, so a local time's instants lie within a day of it when
@@ -106,8 +106,10 @@ def _parse_value(text: str, spec: _FieldSpec) -> int:
     return value
 
 
-def _parse_field(text: str, spec: _FieldSpec) -> frozenset[int]:
+def _parse_field(text: str, spec: _FieldSpec) -> tuple[frozenset[int], str]:
+    """The field's values, and its text with names written as numbers."""
     values: set[int] = set()
+    items: list[str] = []
     for item in text.split(","):
         if not item:
             raise ScheduleError(f"{spec.name} field {text!r}: empty list item")
@@ -119,16 +121,20 @@ def _parse_field(text: str, spec: _FieldSpec) -> frozenset[int]:
             step = int(step_text)
         if base == "*":
             first, last = spec.low, spec.high
+            numeric = "*"
         elif "-" in base:
             start, _, end = base.partition("-")
             first, last = _parse_value(start, spec), _parse_value(end, spec)
             if first > last:
                 raise ScheduleError(f"{spec.name} field {text!r}: range {base!r} is backwards")
+            numeric = f"{first}-{last}"
         else:
             first = _parse_value(base, spec)
             last = max(first, spec.high) if slash else first
+            numeric = str(first)
         values.update(range(first, last + 1, step))
-    return frozenset(values)
+        items.append(f"{numeric}/{step}" if slash else numeric)
+    return frozenset(values), ",".join(items)
 
 
 def _utcoffset(moment: datetime) -> timedelta:
@@ -149,6 +155,26 @@ def _naive_utc(at: datetime) -> datetime:
 
 
 @dataclass(frozen=True)
+class Fields:
+    """A parsed expression: each field's values, and its text with macros expanded and month
+    and weekday names written as numbers (what schedulers that take numbers only accept)."""
+
+    minutes: frozenset[int]
+    hours: frozenset[int]
+    doms: frozenset[int]
+    months: frozenset[int]
+    dows: frozenset[int]  # 0 = Sunday (a written 7 is folded into 0)
+    text: tuple[str, str, str, str, str]
+    either_day: bool  # both day fields restricted (neither starts with `*`): Vixie's OR rule
+    follows_clock: bool  # wildcard hour: gap ticks vanish and repeated ticks run twice
+
+    @property
+    def times(self) -> tuple[int, ...]:
+        """Matching local times of day as minutes since midnight, ascending."""
+        return tuple(sorted(h * 60 + m for h in self.hours for m in self.minutes))
+
+
+@dataclass(frozen=True)
 class _Compiled:
     zone: ZoneInfo
     times: tuple[int, ...]  # matching local times of day as minutes since midnight, ascending
@@ -157,6 +183,7 @@ class _Compiled:
     dows: frozenset[int]  # 0 = Sunday
     either_day: bool  # both day fields restricted: Vixie's OR rule
     follows_clock: bool  # wildcard hour: gap ticks vanish and repeated ticks run twice
+    fields: Fields
 
     def day_matches(self, day: date) -> bool:
         dom = day.day in self.doms
@@ -279,27 +306,37 @@ def _compile(expr: str, tz: str) -> _Compiled:
             "expected 5 fields (minute hour day-of-month month day-of-week), "
             f"got {len(fields)}: {expr!r}"
         )
-    minute, hour, dom, month, dow = fields
     try:
-        minutes = _parse_field(minute, _MINUTE)
-        hours = _parse_field(hour, _HOUR)
-        doms = _parse_field(dom, _DOM)
-        months = _parse_field(month, _MONTH)
-        dows = frozenset(value % 7 for value in _parse_field(dow, _DOW))
+        parsed = [
+            _parse_field(text, spec)
+            for text, spec in zip(fields, (_MINUTE, _HOUR, _DOM, _MONTH, _DOW), strict=True)
+        ]
     except ScheduleError as exc:
         raise ScheduleError(f"invalid cron expression {expr!r}: {exc}") from None
     try:
         zone = ZoneInfo(tz)
     except (ZoneInfoNotFoundError, ValueError, OSError, TypeError):
         raise ScheduleError(f"unknown time zone {tz!r}") from None
-    compiled = _Compiled(
-        zone=zone,
-        times=tuple(sorted(h * 60 + m for h in hours for m in minutes)),
+    (minutes, minute), (hours, hour), (doms, dom), (months, month), (dows, dow) = parsed
+    parsed_fields = Fields(
+        minutes=minutes,
+        hours=hours,
         doms=doms,
         months=months,
-        dows=dows,
+        dows=frozenset(value % 7 for value in dows),
+        text=(minute, hour, dom, month, dow),
         either_day=not dom.startswith("*") and not dow.startswith("*"),
         follows_clock=hour.startswith("*"),
+    )
+    compiled = _Compiled(
+        zone=zone,
+        times=parsed_fields.times,
+        doms=parsed_fields.doms,
+        months=parsed_fields.months,
+        dows=parsed_fields.dows,
+        either_day=parsed_fields.either_day,
+        follows_clock=parsed_fields.follows_clock,
+        fields=parsed_fields,
     )
     first_day = next(compiled.days(_FEASIBILITY_START, 1), None)
     if first_day is None:
@@ -327,6 +364,15 @@ class Schedule:
     def parse(cls, expr: str, tz: str = "UTC") -> Schedule:
         """Validate and compile `expr` in zone `tz`; raises ScheduleError."""
         return cls(expr, tz)
+
+    @property
+    def fields(self) -> Fields:
+        """The parsed fields (for writing the schedule out in another scheduler's syntax)."""
+        return self._compiled.fields
+
+    @property
+    def zone(self) -> ZoneInfo:
+        return self._compiled.zone
 
     def prev_tick(self, at: datetime) -> datetime:
         """The latest tick at or before `at`, in UTC."""

@@ -78,7 +78,7 @@ cost, and fixed without weakening a guarantee:
    in a worker thread, two thread hand-offs per trigger. Now `async def` (`app/deps.py`).
 2. Planning, not running, was most of the probe's database time: with no client statement
    cache (`statement_cache_size=0`, for PgBouncer) the ledger lookup and the `pg_locks` scan
-   were planned at every trigger. The probe is now the `cronlock_probe` PL/pgSQL function
+   were planned at every trigger. The probe is now the `cronlock.probe` PL/pgSQL function
    (migration 0004), whose plans the server keeps per connection, invisible to PgBouncer.
    A job without a schedule skips the ledger lookup (it has no slot to be done).
 3. The framework around the handler: FastAPI matched the router's routes one regex at a
@@ -113,13 +113,14 @@ older than 1.21 sits in between.
 **Digest.** The HTTP run is the floor's speed: one statement, no rows in Python (peak RSS
 does not move). Per user the cost is PostgreSQL's own writing: a new version of the user row
 (the update cannot be HOT: `last_digest_at` is indexed by `users_digest_due`) and a new
-outbox row, their index entries (three on `users`, four on `cronlock.email_outbox`) and the WAL for
-all of it. Two changes took about a fifth off (12.8 to 10.1 µs per user): what is the same
-for every row (the key's prefix, the subject) is computed once, and the insert is a plain
-one, not `ON CONFLICT DO NOTHING` (a speculative insertion per row), since the due filter and
-the job's lock keep a second row out and the unique indexes still guard
-(`test_digest_refuses_a_second_email_for_a_slot_loudly`). Dropping `users_digest_due` would
-save another 8 % or so, but then a run with few users due scans them all; it stays.
+outbox row, their index entries (three on `cronlock_demo.users`, four on
+`cronlock.email_outbox`) and the WAL for all of it. Two changes took about a fifth off (12.8 to
+10.1 µs per user): what is the same for every row (the key's prefix, the subject) is computed
+once, and the insert is a plain one, not `ON CONFLICT DO NOTHING` (a speculative insertion per
+row), since the due filter and the job's lock keep a second row out and the unique indexes
+still guard (`test_digest_refuses_a_second_email_for_a_slot_loudly`). Dropping
+`users_digest_due` would save another 8 % or so, but then a run with few users due scans them
+all; it stays.
 
 Which loop is the article's: it runs Prisma behind PgBouncer in transaction mode, where
 (before PgBouncer 1.21) `pgbouncer=true` turns Prisma's prepared statements off: that is the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import stat
 import subprocess
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app.export import export, job_lines, k8s_name, utc_lines
+from app.export import export, job_lines, k8s_name, to_yaml, utc_lines
 from app.jobs import Job, JobContext, Registry
 from app.schedule import Schedule
 from tests.support import TEST_SECRET
@@ -302,6 +303,98 @@ def test_compose_scheduler_fires_jobs_at_their_utc_entries(
         }
         expected = {name for name, lines in entries.items() if any(s.is_tick(at) for s in lines)}
         assert fired == expected, at
+
+
+# --- the YAML writer --------------------------------------------------------------------------
+
+
+def test_every_yaml_output_reads_back_as_written(registry: Registry) -> None:
+    """What `kubernetes` and `compose` write is what yaml.safe_load reads back, value for value."""
+    for fmt in ("kubernetes", "compose"):
+        text, _ = export(registry, fmt, start=START)
+        for doc in (d for d in yaml.safe_load_all(text) if d is not None):
+            assert yaml.safe_load(to_yaml(doc)) == doc
+    service = compose_scheduler(registry)
+    assert service["command"][0].startswith("umask 077\n")  # written as a `|` block
+
+
+TRICKY = [
+    "",
+    " ",
+    "yes",
+    "No",
+    "on",
+    "off",
+    "null",
+    "~",
+    "true",
+    "1",
+    "0440",
+    "1e3",
+    "-",
+    "- x",
+    "a: b",
+    "#x",
+    "x #y",
+    "'",
+    '"',
+    "\\",
+    "@x",
+    "`x",
+    "%x",
+    "!x",
+    "&a",
+    "*a",
+    "[1]",
+    "{a}",
+    "a,b",
+    "\t",
+    "\n",
+    "a\n",
+    "a\n\n",
+    "\na",
+    " a\nb",
+    "a\n b\n",
+    "a \nb ",
+    "x\r\ny",
+    "é",
+    "😀",
+    "\u2028",
+    "\x85",
+    "\x7f",
+    "\ufeff",
+    "\ud800",
+    "é\nß\n",
+    "a\tb\n\tc",
+]
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> Any:
+    kind = rng.randrange(8 if depth < 3 else 5)
+    if kind == 0:
+        return rng.choice(TRICKY) + rng.choice(["", "z", "\n", " "])
+    if kind == 1:
+        return rng.choice([0, -1, 7, 2**63, 0o440])
+    if kind == 2:
+        return rng.choice([0.5, -2.25, 1e16, 1e-7, float("inf"), float("-inf")])
+    if kind == 3:
+        return rng.choice([None, True, False])
+    if kind == 4:
+        return rng.choice(TRICKY)
+    if kind == 5:
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {
+        rng.choice([*TRICKY, "name", "a.b/c-d", "x_1"]): _random_value(rng, depth + 1)
+        for _ in range(rng.randrange(4))
+    }
+
+
+def test_yaml_writer_round_trips_tricky_values() -> None:
+    rng = random.Random(20261202)
+    for _ in range(500):
+        value = {"root": _random_value(rng)}
+        text = to_yaml(value)
+        assert yaml.safe_load(text) == value, text
 
 
 # --- the command ------------------------------------------------------------------------------

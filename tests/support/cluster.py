@@ -400,7 +400,7 @@ class Nginx(Service):
         temp = "temp"
         read_timeout = f"{max(1, math.ceil(self.proxy_read_timeout * 1000))}ms"
         connect_timeout = f"{max(1, math.ceil(self.proxy_connect_timeout * 1000))}ms"
-        return f"""# written by cronlock (app/cluster.py)
+        return f"""# written by cronlock (tests/support/cluster.py)
 daemon off;
 worker_processes 1;
 pid nginx.pid;
