@@ -25,7 +25,8 @@ from app.deps import DatabaseDep, SettingsDep, error
 from app.errors import DatabaseUnavailable, InvalidTrigger
 from app.jobs import Job, Registry
 from app.ledger import iso
-from app.runner import Outcome, Runner
+from app.outcome import Outcome
+from app.runner import Runner
 from app.settings import Settings
 
 log = logging.getLogger("cronlock.api")

@@ -811,12 +811,12 @@ async def cmd_outbox_dead(args: argparse.Namespace) -> int:
 
 
 async def cmd_outbox_drain(args: argparse.Namespace) -> int:
-    from app import outbox
+    from app import sender
 
     settings = Settings()
     settings.check_email()
     try:
-        await outbox.run_sender(settings, once=args.once)
+        await sender.run_sender(settings, once=args.once)
     except DatabaseUnavailable as exc:
         return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
     return EXIT_OK

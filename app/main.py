@@ -13,7 +13,7 @@ from typing import TypedDict
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from app import __version__, api, logs, ops, outbox
+from app import __version__, api, logs, ops, sender
 from app.auth import BearerAuth
 from app.db import Database
 from app.errors import JobDefinitionError
@@ -112,7 +112,7 @@ async def _deliver(db: Database, settings: Settings, stop: asyncio.Event) -> Non
     else and never takes the service down with it."""
     while not stop.is_set():
         try:
-            await outbox.run_in_app(db.pool, settings, stop)
+            await sender.run_in_app(db.pool, settings, stop)
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -27,7 +27,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
-    from app.runner import Outcome
+    from app.outcome import Outcome
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 

@@ -35,7 +35,8 @@ from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, InvalidTrigger, d
 from app.jobs import Job, Registry
 from app.lock import LockKey, internal_lock, lock_key
 from app.metrics import CONTENT_TYPE
-from app.runner import Outcome, Runner
+from app.outcome import Outcome
+from app.runner import Runner
 from app.schedule import ScheduleError
 from app.settings import Settings
 

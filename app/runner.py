@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
@@ -25,6 +25,7 @@ from app.db import Conn, Database, deadline, terminate
 from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, InvalidTrigger, describe
 from app.jobs import Job, JobContext, Registry, Trigger
 from app.lock import LockKey, job_lock, probe, reset_session, try_lock, verify_keys
+from app.outcome import Kind, Outcome
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -46,20 +47,6 @@ STANDBY_REASON = (
 
 # Skips answered many times a slot by design; DEBUG with LOG_SKIPS=false (see `Runner._log`).
 ROUTINE_SKIPS = ("already running", "already done")
-
-Kind = Literal["succeeded", "skipped", "accepted", "failed", "timed_out", "cancelled"]
-
-
-@dataclass
-class Outcome:
-    job: str
-    kind: Kind
-    run_id: int | None = None
-    slot: datetime | None = None
-    processed: Any = None
-    duration_ms: float | None = None
-    reason: str | None = None
-    trigger: Trigger = "scheduled"
 
 
 @dataclass

@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from app import logs, outbox
+from app import logs, sender
 from app.settings import Settings
 
 
 def main(argv: list[str]) -> int:
     settings = Settings(_env_file=None)
     logs.setup("json", settings.log_level)
-    asyncio.run(outbox.run_sender(settings, once="--once" in argv))
+    asyncio.run(sender.run_sender(settings, once="--once" in argv))
     return 0
 
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.jobs import load
 from app.main import create_app
 from app.metrics import Metrics
-from app.runner import Outcome
+from app.outcome import Outcome
 from app.settings import Settings
 from tests.util import post, runs, wait_for
 

@@ -29,6 +29,7 @@ import pytest
 
 from app import db as appdb
 from app import outbox
+from app import sender as delivery
 from app.demo.digest import DIGEST_SQL, SENDER
 from app.errors import DatabaseUnavailable
 from app.mailer import Email, HttpMailer, SendResult, SmtpMailer
@@ -135,7 +136,7 @@ def outbox_settings(make_settings: MakeSettings, provider: Provider) -> MakeSett
 
 
 @asynccontextmanager
-async def sender(settings: Settings, name: str = "s1") -> AsyncIterator[outbox.Sender]:
+async def sender(settings: Settings, name: str = "s1") -> AsyncIterator[delivery.Sender]:
     """A Sender on a pool of its own, with the HTTP backend."""
     pool = await appdb.create_pool(settings)
     mailer = HttpMailer(
@@ -145,14 +146,14 @@ async def sender(settings: Settings, name: str = "s1") -> AsyncIterator[outbox.S
         max_connections=settings.outbox_concurrency,
     )
     try:
-        yield outbox.Sender(pool, settings, mailer, name, rng=random.Random(7))
+        yield delivery.Sender(pool, settings, mailer, name, rng=random.Random(7))
     finally:
         await mailer.aclose()
         await pool.close()
 
 
 @asynccontextmanager
-async def running(s: outbox.Sender) -> AsyncIterator[asyncio.Event]:
+async def running(s: delivery.Sender) -> AsyncIterator[asyncio.Event]:
     """`s.run()` in the background; stopped (gracefully) on exit."""
     stop = asyncio.Event()
     task = asyncio.create_task(s.run(stop))
@@ -268,7 +269,7 @@ async def test_retry_schedule(
     assert len({q.body for q in requests}) == 1
 
 
-async def _drain_all_at_once(s: outbox.Sender, provider: Provider, count: int) -> int:
+async def _drain_all_at_once(s: delivery.Sender, provider: Provider, count: int) -> int:
     """drain_once with every answer held back until all `count` requests are in, so the
     outcomes arrive together and share a group write."""
     provider.hold()
@@ -324,11 +325,11 @@ async def test_mark_makes_values_postgresql_would_refuse_writable(
     batch = await outbox.claim(db, schema="cronlock", limit=10, lease=60.0)
     ids = [r.id for r in batch.rows]
     outcomes = [
-        outbox.Outcome("sent", message_id="msg\x00_1"),
-        outbox.Outcome("retry", delay=1.0, error="HTTP 502: bad\x00gateway"),
-        outbox.Outcome("retry", delay=math.inf, error="HTTP 429"),
-        outbox.Outcome("retry", delay=1e13, error="HTTP 429"),
-        outbox.Outcome("retry", delay=math.nan, error="HTTP 503"),
+        outbox.Mark("sent", message_id="msg\x00_1"),
+        outbox.Mark("retry", delay=1.0, error="HTTP 502: bad\x00gateway"),
+        outbox.Mark("retry", delay=math.inf, error="HTTP 429"),
+        outbox.Mark("retry", delay=1e13, error="HTTP 429"),
+        outbox.Mark("retry", delay=math.nan, error="HTTP 503"),
     ]
     written = await outbox.mark(
         db,
@@ -404,7 +405,7 @@ async def test_an_outcome_that_cannot_be_encoded_is_left_to_its_lease(
     settings = outbox_settings(outbox_lease=5.0)
     pool = await appdb.create_pool(settings)
     try:
-        s = outbox.Sender(pool, settings, _OddIdMailer(), "odd")
+        s = delivery.Sender(pool, settings, _OddIdMailer(), "odd")
         started = time.monotonic()
         assert await s.drain_once() == 2
         assert time.monotonic() - started < 3
@@ -413,10 +414,10 @@ async def test_an_outcome_that_cannot_be_encoded_is_left_to_its_lease(
         await pool.close()
 
 
-class _BrokenRecorder(outbox.Sender):
+class _BrokenRecorder(delivery.Sender):
     """A sender whose outcome write fails with a bug (not a database error)."""
 
-    async def _record(self, token: uuid.UUID, row_id: int, outcome: outbox.Outcome) -> str | None:
+    async def _record(self, token: uuid.UUID, row_id: int, outcome: outbox.Mark) -> str | None:
         raise RuntimeError("a bug in the outcome write")
 
 
@@ -591,7 +592,7 @@ async def test_expired_lease_cannot_overwrite_the_new_claim(
     written = await outbox.mark(
         db,
         b_claim.token,
-        [(r["id"], outbox.Outcome("sent", message_id="from-b"))],
+        [(r["id"], outbox.Mark("sent", message_id="from-b"))],
         schema="cronlock",
         max_attempts=12,
         retry_window=3600.0,
@@ -618,7 +619,7 @@ async def test_a_slow_smtp_relay_gets_no_overlapping_attempts(
         pool = await appdb.create_pool(settings)
         mailer = SmtpMailer("127.0.0.1", relay.port, timeout=settings.outbox_send_timeout)
         try:
-            s = outbox.Sender(pool, settings, mailer, "smtp")
+            s = delivery.Sender(pool, settings, mailer, "smtp")
             started = time.monotonic()
             async with running(s):
                 await until(
@@ -648,7 +649,7 @@ def test_the_lease_warning_knows_the_backends_real_send_time(
     settings = outbox_settings(email_backend="smtp", outbox_send_timeout=1.0, outbox_lease=1.5)
     caplog.set_level(logging.WARNING, logger="cronlock.outbox")
     mailer = SmtpMailer("127.0.0.1", 25, timeout=settings.outbox_send_timeout)
-    s = outbox.Sender(None, settings, mailer)  # type: ignore[arg-type]  # no pool needed
+    s = delivery.Sender(None, settings, mailer)  # type: ignore[arg-type]  # no pool needed
     assert s.max_send_time == 2.0
     [warning] = caplog.records
     assert "OUTBOX_LEASE (1.5s) is not longer than a send may take (2s" in warning.getMessage()
@@ -864,7 +865,7 @@ async def test_prune_is_bounded_and_runs_one_at_a_time(
     settings = outbox_settings(db_query_timeout=timeout, outbox_shutdown_timeout=1.0)
     pool = await appdb.create_pool(settings)
     mailer = HttpMailer(settings.email_api_url, API_KEY, timeout=1.0)
-    s = outbox.Sender(pool, settings, mailer, prune_interval=0.05)
+    s = delivery.Sender(pool, settings, mailer, prune_interval=0.05)
     started: dict[asyncio.Task[None], float] = {}
     ended: dict[asyncio.Task[None], float] = {}
     most_at_once = 0
