@@ -22,12 +22,6 @@ class JobDefinitionError(CronlockError):
     """A job is declared wrongly (bad name, schedule, colliding lock key); start-up stops."""
 
 
-class UnknownJob(CronlockError):
-    def __init__(self, name: str) -> None:
-        super().__init__(f"unknown job {name!r}")
-        self.name = name
-
-
 class InvalidTrigger(CronlockError):
     """A trigger's parameters are wrong (bad backfill slot, bad params); answered as 422."""
 
