@@ -13,6 +13,7 @@ from typing import Any
 import asyncpg
 
 from app.db import Conn
+from app.lock import JOB_KEY_SQL, PG_LOCKS_KEY, PG_LOCKS_OURS
 from app.sql import qualify
 
 COLUMNS = (
@@ -180,18 +181,16 @@ async def last_runs(conn: Conn | asyncpg.Pool, schema: str, jobs: list[str]) -> 
 # A `running` row whose backend holds the job's advisory lock no more was left by an instance
 # that died (kill -9, lost connection): its transaction rolled back, so nothing of it
 # persisted. Matching the backend too closes it even while a newer run holds the lock.
-ABANDON_SQL = """
-UPDATE {schema}.runs r
+ABANDON_SQL = f"""
+UPDATE {{schema}}.runs r
 SET status = 'abandoned', finished_at = clock_timestamp(),
     error = 'the instance running it went away; its transaction rolled back'
 WHERE r.status = 'running'
   AND r.started_at < now() - make_interval(secs => $3)
   AND NOT EXISTS (
       SELECT 1 FROM pg_locks l
-      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-        AND ((l.classid::bigint << 32) | l.objid::bigint)
-            = hashtextextended($4 || ':' || r.job, $1)  -- lock.job_lock($4, r.job)
+      WHERE {PG_LOCKS_OURS} AND l.granted
+        AND {PG_LOCKS_KEY} = {JOB_KEY_SQL.format(schema="$4", job="r.job", namespace="$1")}
         AND (r.backend_pid IS NULL OR l.pid = r.backend_pid)
   )
   AND ($2::text IS NULL OR r.job = $2)

@@ -120,6 +120,35 @@ class LockKey:
         return cls(value - (1 << 64) if value >= 1 << 63 else value)
 
 
+# How `pg_locks` shows cronlock's locks: advisory, the 64-bit form (objsubid = 1; 2 is the
+# two-int4 form, which cronlock never takes), in this database only (advisory locks of every
+# database share one table). The statements that read it use these fragments, with `l` as
+# pg_locks; the probe function (migration 0003) spells the same out in PL/pgSQL.
+PG_LOCKS_OURS = (
+    "l.locktype = 'advisory' AND l.objsubid = 1"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+# A row's key as `hashtextextended` returns it: classid is the high half, objid the low one.
+PG_LOCKS_KEY = "((l.classid::bigint << 32) | l.objid::bigint)"
+# A job's key in SQL (see `job_lock`), from the schema, the job name and the namespace.
+JOB_KEY_SQL = "hashtextextended({schema} || ':' || {job}, {namespace})"
+
+# The article's diagnostic: advisory locks joined to the sessions that hold (or wait for) them.
+HELD_SQL = f"""
+SELECT l.pid, l.classid, l.objid, l.granted, a.application_name, a.state,
+       extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS held_for
+FROM pg_locks l
+JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE {PG_LOCKS_OURS}
+ORDER BY a.xact_start NULLS LAST, l.pid
+"""
+
+
+async def held_locks(conn: Conn) -> list[asyncpg.Record]:
+    """Every advisory lock of this database (held or waited for), oldest holder first."""
+    return await conn.fetch(HELD_SQL)
+
+
 def lock_key(name: str, namespace: int) -> LockKey:
     """The key of a lock name (see `job_lock` and `internal_lock`)."""
     return LockKey(hashtextextended(name, namespace))

@@ -33,7 +33,7 @@ from app.db import Conn
 from app.deps import DatabaseDep, RegistryDep, RunnerDep, SettingsDep, error
 from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, InvalidTrigger, describe
 from app.jobs import Job, Registry
-from app.lock import LockKey, internal_lock, lock_key
+from app.lock import LockKey, held_locks, internal_lock, lock_key
 from app.metrics import CONTENT_TYPE
 from app.outcome import Outcome
 from app.runner import Runner
@@ -51,19 +51,6 @@ RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
 # A dashboard must never hang a pooled connection on a slow catalog or ledger query.
 READ_TIMEOUT_SQL = "SELECT set_config('statement_timeout', '5000ms', true)"
 NOW_SQL = "SELECT now()"
-
-# The article's diagnostic, for this database only: advisory locks joined to the sessions
-# that hold (or wait for) them. A 64-bit key shows as classid (high half) and objid (low
-# half) with objsubid = 1; objsubid = 2 is the two-int4 form, which cronlock never takes.
-LOCKS_SQL = """
-SELECT l.pid, l.classid, l.objid, l.granted, a.application_name, a.state,
-       extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS held_for
-FROM pg_locks l
-JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.objsubid = 1
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-ORDER BY a.xact_start NULLS LAST, l.pid
-"""
 
 CANCEL_SQL = "SELECT pg_cancel_backend($1)"
 TERMINATE_SQL = "SELECT pg_terminate_backend($1)"
@@ -208,7 +195,7 @@ def _names(registry: Registry) -> dict[int, str]:
 
 async def locks(conn: Conn, registry: Registry) -> list[LockView]:
     """Every advisory lock in this database, oldest holder first."""
-    rows = await conn.fetch(LOCKS_SQL)
+    rows = await held_locks(conn)
     names = _names(registry)
     granted = [r["pid"] for r in rows if r["granted"]]
     run_ids = await ledger.running_by_pid(conn, registry.schema, granted)
