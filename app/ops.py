@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal, get_args
 import asyncpg
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
-from pydantic import BaseModel, PlainSerializer
+from pydantic import BaseModel, ConfigDict, PlainSerializer
 
 from app import ledger, outbox
 from app.db import Conn
@@ -113,6 +113,10 @@ class RunsPage(BaseModel):
 
 
 class LastRun(BaseModel):
+    """A job's newest finished run: the ledger row's fields that /cron/jobs shows."""
+
+    model_config = ConfigDict(from_attributes=True)
+
     id: int
     status: RunStatus
     slot: Timestamp | None
@@ -125,6 +129,10 @@ class LastRun(BaseModel):
 
 
 class Holder(BaseModel):
+    """Where a job runs now: the fields of its lock (LockView) that /cron/jobs shows."""
+
+    model_config = ConfigDict(from_attributes=True)
+
     instance: str | None
     pid: int
     state: str | None
@@ -270,29 +278,9 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
                 next_slot=nxt,
                 due_slot=due_slot(job, now),
                 last_success_slot=succeeded.get(job.name),
-                last_run=LastRun(
-                    id=run.id,
-                    status=run.status,
-                    slot=run.slot,
-                    trigger=run.trigger,
-                    instance=run.instance,
-                    started_at=run.started_at,
-                    finished_at=run.finished_at,
-                    duration_ms=run.duration_ms,
-                    error=run.error,
-                )
-                if run is not None
-                else None,
+                last_run=LastRun.model_validate(run) if run is not None else None,
                 running=holder is not None,
-                running_on=Holder(
-                    instance=holder.instance,
-                    pid=holder.pid,
-                    state=holder.state,
-                    held_for=holder.held_for,
-                    run_id=holder.run_id,
-                )
-                if holder is not None
-                else None,
+                running_on=Holder.model_validate(holder) if holder is not None else None,
                 overdue=is_overdue(job, now, succeeded.get(job.name)),
             )
         )
