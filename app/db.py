@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -18,7 +19,7 @@ from typing import Any
 
 import asyncpg
 
-from app.errors import DatabaseUnavailable
+from app.errors import CronlockError, DatabaseUnavailable, InvalidInput
 from app.settings import Settings
 
 log = logging.getLogger("cronlock.db")
@@ -65,6 +66,39 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, asyncpg.PostgresError):
         return f"database error {exc.sqlstate}"
     return type(exc).__name__
+
+
+# Everything `translate` turns into one of ours.
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
+
+
+def translate(exc: BaseException, *, input_from: tuple[str, ...] | None = None) -> CronlockError:
+    """The one translation of a driver or OS error into ours; raise it `from exc`.
+
+    `input_from` is given where the statements carry values of the request or command line
+    (it says where they came from: "query", "body"...). There a data exception (SQLSTATE class
+    22: a number out of range, a NUL in text, a date the server cannot hold) is the caller's
+    InvalidInput; everywhere else, as for every other error, the database is unavailable. A
+    job's own statements never come here: their errors are the job's failure (500, run id).
+    """
+    if isinstance(exc, CONNECTION_ERRORS):
+        return DatabaseUnavailable(f"database unreachable: {describe(exc)}")
+    if isinstance(exc, asyncpg.UndefinedTableError):
+        return DatabaseUnavailable("migrations not applied (python -m app migrate)")
+    if input_from is not None and isinstance(exc, asyncpg.DataError):
+        return InvalidInput(f"a value the database cannot take: {refused(exc)}", input_from)
+    return DatabaseUnavailable(f"database error: {describe(exc)}")
+
+
+def refused(exc: asyncpg.DataError) -> str:
+    """What kind of value was refused, from the condition's name, never from the message:
+    that quotes the value, which may be anything a client sent."""
+    if type(exc) is asyncpg.DataError:
+        # 22000 itself is what asyncpg raises when it cannot even encode an argument (an
+        # integer beyond bigint, a str with a lone surrogate), before the server sees it.
+        return "out of range or of the wrong type for its parameter (SQLSTATE 22000)"
+    words = re.sub(r"(?<!^)(?=[A-Z])", " ", type(exc).__name__.removesuffix("Error")).lower()
+    return f"{words} (SQLSTATE {exc.sqlstate})"
 
 
 def terminate(conn: Conn) -> None:

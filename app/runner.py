@@ -21,7 +21,16 @@ from typing import TYPE_CHECKING, Any, Literal
 import asyncpg
 
 from app import ledger
-from app.db import CONNECTION_ERRORS, Conn, Database, deadline, describe, terminate
+from app.db import (
+    CONNECTION_ERRORS,
+    DRIVER_ERRORS,
+    Conn,
+    Database,
+    deadline,
+    describe,
+    terminate,
+    translate,
+)
 from app.errors import DatabaseUnavailable, InvalidTrigger
 from app.jobs import Job, JobContext, Registry, Trigger
 from app.lock import LockKey, lock_key, probe, reset_session, try_lock, verify_keys
@@ -168,10 +177,8 @@ class Runner:
                     scheduled=job.schedule is not None,
                     done_hint=self._done_hint(job),
                 )
-        except CONNECTION_ERRORS as exc:
-            raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
-        except asyncpg.PostgresError as exc:
-            raise DatabaseUnavailable(f"database error: {describe(exc)}") from exc
+        except DRIVER_ERRORS as exc:
+            raise translate(exc) from exc
         finally:
             await self.db.release(conn)
         if row["standby"]:
@@ -282,10 +289,10 @@ class Runner:
             )
             handed_over = True
             return _Lease(job, conn, tx, ctx)
-        except CONNECTION_ERRORS as exc:
-            raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
-        except asyncpg.PostgresError as exc:
-            raise DatabaseUnavailable(f"database error: {describe(exc)}") from exc
+        except DRIVER_ERRORS as exc:
+            # The run's ledger row carries the request's params (and slot): a value the
+            # database refuses there is the client's 422.
+            raise translate(exc, input_from=("body",)) from exc
         finally:
             if not handed_over:
                 try:
