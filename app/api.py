@@ -71,7 +71,9 @@ def _declared_too_large(declared: str, limit: int) -> bool:
 
 def parse_params(job: Job, body: bytes) -> Any:
     """The job's validated params from the JSON body (InvalidTrigger for 422)."""
-    data: Any = None
+    # No body is no params (the defaults); a body of `null` is not the object the document
+    # asks for, and is refused like any other.
+    data: Any = {}
     if body.strip():
         try:
             data = json.loads(body)
@@ -82,7 +84,7 @@ def parse_params(job: Job, body: bytes) -> Any:
     if job.params is None:
         return None
     try:
-        params = job.params.model_validate(data if data is not None else {})
+        params = job.params.model_validate(data)
     except ValidationError as exc:
         raise InvalidTrigger(
             json.loads(exc.json(include_url=False, include_context=False, include_input=False))

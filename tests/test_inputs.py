@@ -81,6 +81,9 @@ async def test_trigger_values_the_database_cannot_store_are_422_and_run_nothing(
         body = json.dumps({"text": text}).encode()
         r = await client.post("/cron/note", content=body)
         assert_invalid(r, ["text"])
+    # `null` is no object (found by bench/fuzz.py: it was read as "no body").
+    r = await client.post("/cron/note", content=b"null")
+    assert_invalid(r, [])
     # Deeper than Python's JSON reader goes, and well within MAX_BODY_BYTES.
     r = await client.post("/cron/note", content=b"[" * 5000)
     assert r.status_code == 422, r.text
