@@ -20,10 +20,6 @@ from typing import Any
 
 BIGINT_MAX = 2**63 - 1
 
-# For OpenAPI `pattern`s: the document then says what the route accepts. A lone surrogate is
-# already refused while the query string is decoded (it is not UTF-8).
-NO_NUL_PATTERN = r"^[^\x00]*$"
-
 
 def text_problem(value: str) -> str | None:
     """Why PostgreSQL cannot store `value` as text, or None."""
