@@ -10,20 +10,21 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import AwareDatetime, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app import ops
 from app.auth import route_path
 from app.deps import DatabaseDep, SettingsDep, error
-from app.errors import DatabaseUnavailable, InvalidTrigger
-from app.jobs import Job, Registry
+from app.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
+from app.inputs import check_timestamp, json_problem
+from app.jobs import RESERVED_NAMES, Job, Registry
 from app.ledger import iso
 from app.outcome import Outcome
 from app.runner import Runner
@@ -39,7 +40,9 @@ class TriggerQuery(BaseModel):
 
     force: bool = False
     wait: bool = True
-    slot: AwareDatetime | None = None
+    # Any Python datetime fits PostgreSQL's timestamptz, but not every aware one is an instant
+    # Python can hold in UTC, which is how it is compared and stored.
+    slot: Annotated[AwareDatetime, AfterValidator(check_timestamp)] | None = None
 
 
 class RequestTooLarge(Exception):
@@ -48,7 +51,7 @@ class RequestTooLarge(Exception):
 
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and _declared_too_large(declared, limit):
         raise RequestTooLarge
     body = bytearray()
     async for chunk in request.stream():
@@ -58,22 +61,49 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+def _declared_too_large(declared: str, limit: int) -> bool:
+    # isascii: str.isdigit() is true for "²", which int() refuses. More digits than the limit
+    # has is too large without converting them (int() refuses a string of 4300 digits).
+    if not (declared.isascii() and declared.isdigit()):
+        return False  # not a length: the body as streamed decides
+    digits = declared.lstrip("0")
+    return len(digits) > len(str(limit)) or int(digits or "0") > limit
+
+
 def parse_params(job: Job, body: bytes) -> Any:
     """The job's validated params from the JSON body (InvalidTrigger for 422)."""
-    data: Any = None
+    # No body is no params (the defaults); a body of `null` is not the object the document
+    # asks for, and is refused like any other.
+    data: Any = {}
     if body.strip():
         try:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidTrigger(f"body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:  # "[[[[...": within MAX_BODY_BYTES, deeper than Python
+            raise InvalidTrigger("body is not valid JSON: nested too deeply") from exc
     if job.params is None:
         return None
     try:
-        return job.params.model_validate(data if data is not None else {})
+        params = job.params.model_validate(data)
     except ValidationError as exc:
         raise InvalidTrigger(
             json.loads(exc.json(include_url=False, include_context=False, include_input=False))
         ) from exc
+    # What the ledger stores (jsonb): refused here with the field's name, rather than by the
+    # database with a data exception that names nothing.
+    problem = json_problem(params.model_dump(mode="json"))
+    if problem is not None:
+        loc, msg = problem
+        raise InvalidTrigger([{"type": "value_error", "loc": loc, "msg": f"Value {msg}"}])
+    return params
+
+
+def invalid_input(exc: InvalidInput) -> JSONResponse:
+    """A value the database refused (`db.translate`): 422 in the shape of every other
+    invalid request, never a 503."""
+    problem = {"loc": list(exc.loc), "msg": exc.reason, "type": "refused_by_database"}
+    return error(422, "invalid request", detail=[problem])
 
 
 def outcome_response(outcome: Outcome) -> JSONResponse:
@@ -135,6 +165,8 @@ def trigger_handler(job: Job) -> Callable[[Request], Awaitable[Response]]:
             )
         except InvalidTrigger as exc:
             return error(422, "invalid trigger", detail=exc.args[0])
+        except InvalidInput as exc:
+            return invalid_input(exc)
         except DatabaseUnavailable as exc:
             return error(503, "database unavailable", job=job.name, reason=exc.reason)
         return outcome_response(outcome)
@@ -206,6 +238,17 @@ def _openapi_for(job: Job) -> dict[str, Any]:
     return extra
 
 
+ACCEPTED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["job", "run_id", "slot"],
+    "properties": {
+        "job": {"type": "string"},
+        "run_id": {"type": "integer", "minimum": 1},
+        "slot": {"type": ["string", "null"], "format": "date-time"},
+    },
+}
+
+
 def _describe(job: Job) -> str:
     parts = [job.description] if job.description else []
     if job.schedule is not None:
@@ -235,7 +278,11 @@ def job_router(registry: Registry, settings: Settings) -> APIRouter:
             openapi_extra=_openapi_for(job),
             responses={
                 200: {"description": "ran, or skipped (already running / already done)"},
-                202: {"description": "accepted (wait=false)"},
+                202: {
+                    "description": "accepted (wait=false): follow the run at its link",
+                    "content": {"application/json": {"schema": ACCEPTED_SCHEMA}},
+                    "links": {"GetRun": ops.RUN_LINK},
+                },
                 401: {"description": "missing or wrong secret"},
                 413: {"description": "body too large"},
                 422: {"description": "bad parameters"},
@@ -269,6 +316,22 @@ async def readyz(db: DatabaseDep, settings: SettingsDep) -> Response:
     return JSONResponse(body)
 
 
+def method_not_allowed(allowed: str) -> Response:
+    return JSONResponse(
+        {"error": "method not allowed", "allow": allowed},
+        status_code=405,
+        headers={"Allow": allowed},
+    )
+
+
+def is_read_route(name: str) -> bool:
+    """`/cron/<name>` is one of the operations routes (GET only), not a job."""
+    if name in RESERVED_NAMES:
+        return True
+    run_id = name.removeprefix("runs/")
+    return run_id != name and run_id.isascii() and run_id.isdigit()
+
+
 def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
     app.include_router(health_router)
     app.include_router(ops.router)
@@ -278,12 +341,10 @@ def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
     # with the wrong method (405). Registered last so real routes match first.
     async def not_a_job(name: str, request: Request) -> Response:
         if name in registry:
-            allowed = "POST, GET" if settings.cron_allow_get else "POST"
-            return JSONResponse(
-                {"error": "method not allowed", "allow": allowed},
-                status_code=405,
-                headers={"Allow": allowed},
-            )
+            return method_not_allowed("POST, GET" if settings.cron_allow_get else "POST")
+        if is_read_route(name):
+            # /cron/jobs, /cron/runs... exist: another method on them is not an unknown job.
+            return method_not_allowed("GET, HEAD")
         return error(404, "unknown job", job=name[:200])
 
     # Inside BearerAuth (added after this one, so it runs first).
@@ -307,9 +368,18 @@ def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
             {"error": str(exc.detail)}, status_code=exc.status_code, headers=headers
         )
 
+    # Raised out of the routes, whose handlers only answer DatabaseUnavailable themselves.
+    # (Triggers answer it in `trigger_handler`: they run ahead of these handlers.)
+    @app.exception_handler(InvalidInput)
+    async def refused_input(request: Request, exc: InvalidInput) -> Response:
+        return invalid_input(exc)
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
-        detail = [{"loc": e.get("loc"), "msg": e.get("msg")} for e in exc.errors()]
+        # `type` too: the OpenAPI document's 422 (FastAPI's) promises loc, msg and type.
+        detail = [
+            {"loc": e.get("loc"), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()
+        ]
         return error(422, "invalid request", detail=detail)
 
     @app.exception_handler(Exception)

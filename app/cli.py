@@ -29,7 +29,8 @@ from typing import Any
 import asyncpg
 from pydantic import ValidationError
 
-from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, describe
+from app import inputs
+from app.errors import DRIVER_ERRORS, DatabaseUnavailable, InvalidInput, translate
 from app.schema import MigrationError
 from app.settings import Settings, SettingsError
 
@@ -46,28 +47,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        result = handler(args)
-        if asyncio.iscoroutine(result):
-            return asyncio.run(result)
-        assert isinstance(result, int)
-        return result
+        try:
+            result = handler(args)
+            if asyncio.iscoroutine(result):
+                return asyncio.run(result)
+            assert isinstance(result, int)
+            return result
+        except DRIVER_ERRORS as exc:
+            # A statement outside a command's connection helper (migrate's own): the same
+            # translation as everywhere, then the same exit codes.
+            raise translate(exc) from exc
     except SettingsError as exc:
         print(f"cronlock: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except InvalidInput as exc:
+        # A value of the command line the database refused (argument types catch the rest).
+        return _fail(f"invalid argument: {exc.reason}", EXIT_USAGE)
     except DatabaseUnavailable as exc:
         return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
     except MigrationError as exc:
         return _fail(exc.reason, EXIT_UNAVAILABLE)
-    except asyncpg.UndefinedTableError:
-        return _fail(
-            f"cronlock's tables are not in schema {_schema()!r}: run python -m app migrate",
-            EXIT_UNAVAILABLE,
-        )
-    except CONNECTION_ERRORS as exc:
-        return _fail(f"database unavailable: {describe(exc)}", EXIT_UNAVAILABLE)
-    except asyncpg.PostgresError as exc:
-        # The server's own text can quote a row (addresses, bodies): its kind only.
-        return _fail(f"database error: {describe(exc)}", EXIT_UNAVAILABLE)
     except ValidationError as exc:
         # A setting from the environment or .env that does not parse: name it, no traceback.
         problems = "; ".join(
@@ -79,16 +78,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+# Argument types check what the database (or the service) would refuse, so that a bad value
+# is argparse's usage error (exit 2, the argument named), never a traceback.
+JOB_NAME_MAX = 100
+ID = inputs.int_range(1, inputs.BIGINT_MAX)
+PARAMS = inputs.text(1_000_000)
+OPTION = inputs.text(2000)
+
+
+def job_name(text: str) -> str:
+    from app.jobs import NAME_PATTERN
+
+    if not NAME_PATTERN.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"not a job name: {text[:40]!r} (letters, digits, '.', '_' or '-', at most "
+            f"{JOB_NAME_MAX})"
+        )
+    return text
+
+
+def service_url(text: str) -> str:
+    import httpx
+
+    problem = inputs.text_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    try:
+        url = httpx.URL(text)
+    except (httpx.InvalidURL, TypeError, ValueError):
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        raise argparse.ArgumentTypeError(f"not an http(s) URL: {text[:80]!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app", description=__doc__)
     sub = parser.add_subparsers(metavar="command")
 
     serve = sub.add_parser("serve", help="run the HTTP service (embedded PostgreSQL if needed)")
     serve.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
-    serve.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    serve.add_argument(
+        "--port", type=inputs.int_range(0, 65535), default=os.environ.get("PORT", "8000")
+    )
     serve.add_argument(
         "--demo-users",
-        type=int,
+        type=inputs.int_range(0, 1_000_000),
         default=3,
         help="users to create in a new embedded database (default 3)",
     )
@@ -105,10 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.set_defaults(handler=cmd_migrate)
 
     run = sub.add_parser("run", help="run a job now, through the same lock/slot/ledger path")
-    run.add_argument("job")
+    run.add_argument("job", type=job_name)
     run.add_argument("--force", action="store_true", help="run even if the slot is done")
-    run.add_argument("--slot", type=datetime.fromisoformat, help="backfill this past tick")
-    run.add_argument("--params", default=None, help="the job's params as JSON")
+    run.add_argument("--slot", type=inputs.timestamp, help="backfill this past tick")
+    run.add_argument("--params", type=PARAMS, default=None, help="the job's params as JSON")
     run.add_argument("--json", action="store_true", help="print JSON")
     run.set_defaults(handler=cmd_run)
 
@@ -323,13 +358,13 @@ def add_ops_commands(sub: Any) -> None:
     jobs.set_defaults(handler=cmd_jobs)
 
     runs = sub.add_parser("runs", help="run history, newest first")
-    runs.add_argument("--job")
+    runs.add_argument("--job", type=job_name)
     runs.add_argument(
         "--status",
         choices=["running", "succeeded", "failed", "timed_out", "cancelled", "abandoned"],
     )
-    runs.add_argument("--limit", type=int, default=20)
-    runs.add_argument("--before", type=int, help="the `next` cursor of the previous page")
+    runs.add_argument("--limit", type=inputs.int_range(1, 500), default=20)
+    runs.add_argument("--before", type=ID, help="the `next` cursor of the previous page")
     runs.add_argument("--json", action="store_true", help="print JSON (as GET /cron/runs)")
     runs.set_defaults(handler=cmd_runs)
 
@@ -341,29 +376,35 @@ def add_ops_commands(sub: Any) -> None:
         "trigger",
         help="POST a job to a running service (secret from CRON_SECRET or CRON_SECRET_FILE)",
     )
-    trigger.add_argument("job")
+    trigger.add_argument("job", type=job_name)
     trigger.add_argument(
         "--url",
+        type=service_url,
         default=os.environ.get("CRONLOCK_URL", DEFAULT_SERVICE_URL),
         help=f"the service (default: $CRONLOCK_URL or {DEFAULT_SERVICE_URL})",
     )
     trigger.add_argument("--force", action="store_true", help="run even if the slot is done")
-    trigger.add_argument("--slot", help="backfill this past tick (ISO time with offset)")
-    trigger.add_argument("--params", help="the job's params as JSON")
+    # Checked by the service (a 422 is exit 2, with its answer), as for any other client.
+    trigger.add_argument(
+        "--slot", type=OPTION, help="backfill this past tick (ISO time with offset)"
+    )
+    trigger.add_argument("--params", type=PARAMS, help="the job's params as JSON")
     trigger.add_argument(
         "--no-wait", action="store_true", help="answer once the lock is taken (202 + run id)"
     )
     trigger.add_argument(
         "--follow", action="store_true", help="with --no-wait: poll the run until it ends"
     )
-    trigger.add_argument("--timeout", type=float, default=3600.0, help="HTTP timeout, seconds")
+    trigger.add_argument(
+        "--timeout", type=inputs.positive_seconds, default=3600.0, help="HTTP timeout, seconds"
+    )
     trigger.add_argument("--json", action="store_true", help="print the answer as JSON")
     trigger.set_defaults(handler=cmd_trigger)
 
     cancel = sub.add_parser(
         "cancel", help="cancel the running holder's statement (pg_cancel_backend); it rolls back"
     )
-    cancel.add_argument("job")
+    cancel.add_argument("job", type=job_name)
     cancel.add_argument(
         "--terminate",
         action="store_true",
@@ -371,7 +412,7 @@ def add_ops_commands(sub: Any) -> None:
         "in its transaction between statements",
     )
     cancel.add_argument(
-        "--wait", type=float, default=10.0, help="seconds to wait for the lock to go"
+        "--wait", type=inputs.seconds, default=10.0, help="seconds to wait for the lock to go"
     )
     cancel.add_argument("--json", action="store_true")
     cancel.set_defaults(handler=cmd_cancel)
@@ -379,11 +420,11 @@ def add_ops_commands(sub: Any) -> None:
     outbox = sub.add_parser("outbox", help="the email outbox: drain, dead rows, requeue")
     outbox_sub = outbox.add_subparsers(metavar="action")
     dead = outbox_sub.add_parser("dead", help="dead-lettered emails with their last error")
-    dead.add_argument("--limit", type=int, default=100)
+    dead.add_argument("--limit", type=ID, default=100)
     dead.add_argument("--json", action="store_true")
     dead.set_defaults(handler=cmd_outbox_dead)
     requeue = outbox_sub.add_parser("requeue", help="put dead emails back in the queue")
-    requeue.add_argument("ids", nargs="*", type=int, help="outbox row ids")
+    requeue.add_argument("ids", nargs="*", type=ID, help="outbox row ids")
     requeue.add_argument("--all", action="store_true", help="every dead row")
     requeue.add_argument("--json", action="store_true")
     requeue.set_defaults(handler=cmd_outbox_requeue)
@@ -402,15 +443,23 @@ def add_ops_commands(sub: Any) -> None:
     export.add_argument(
         "--format", required=True, choices=["crontab", "kubernetes", "vercel", "compose"]
     )
-    export.add_argument("--url", help="the service's base URL as the scheduler reaches it")
+    export.add_argument(
+        "--url", type=service_url, help="the service's base URL as the scheduler reaches it"
+    )
     export.add_argument(
         "--header-file",
+        type=OPTION,
         default="/etc/cronlock/auth_header",
         help="crontab: the curl header file holding the secret",
     )
-    export.add_argument("--secret-name", default="cronlock", help="kubernetes: the Secret")
     export.add_argument(
-        "--image", default="curlimages/curl:8.10.1", help="kubernetes/compose: a curl image"
+        "--secret-name", type=OPTION, default="cronlock", help="kubernetes: the Secret"
+    )
+    export.add_argument(
+        "--image",
+        type=OPTION,
+        default="curlimages/curl:8.10.1",
+        help="kubernetes/compose: a curl image",
     )
     export.add_argument("--output", "-o", type=Path, help="write here instead of stdout")
     export.set_defaults(handler=cmd_schedule_export)
@@ -436,15 +485,6 @@ def _load_registry(settings: Settings) -> Any:
         return load(settings.job_modules, settings.lock_namespace, settings.db_schema)
     except JobDefinitionError as exc:
         raise SettingsError(str(exc)) from exc
-
-
-def _schema() -> str:
-    """DB_SCHEMA as configured, for a message (the settings were read before, or it is the
-    default)."""
-    try:
-        return Settings().db_schema
-    except (ValidationError, SettingsError):
-        return "cronlock"
 
 
 def _fail(message: str, code: int) -> int:
@@ -497,11 +537,16 @@ async def _connection(
 
     conn = await connect(settings)
     try:
-        if bounded:
-            with deadline(conn, settings.db_query_timeout):
+        try:
+            if bounded:
+                with deadline(conn, settings.db_query_timeout):
+                    yield conn
+            else:
                 yield conn
-        else:
-            yield conn
+        except DRIVER_ERRORS as exc:
+            # The command's statements carry its arguments: a value the database refuses is
+            # the caller's (exit 2), anything else is the database's (exit 3).
+            raise translate(exc, input_from=("argument",)) from exc
     finally:
         # A frozen server never answers the goodbye either: past the timeout the socket is
         # simply closed (a connection the deadline closed is closed already).
@@ -561,8 +606,6 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
 async def cmd_runs(args: argparse.Namespace) -> int:
     from app import ops
 
-    if not 1 <= args.limit <= 500:
-        return _fail("--limit must be between 1 and 500", EXIT_USAGE)
     settings = Settings()
     registry = _load_registry(settings)
     async with _connection(settings) as conn:
@@ -865,7 +908,10 @@ def cmd_schedule_export(args: argparse.Namespace) -> int:
     except ExportError as exc:
         return _fail(str(exc), EXIT_USAGE)
     if args.output is not None:
-        args.output.write_text(text)
+        try:
+            args.output.write_text(text)
+        except OSError as exc:
+            return _fail(f"cannot write {args.output}: {exc.strerror or exc}", EXIT_USAGE)
     else:
         sys.stdout.write(text)
     for note in notes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import asyncpg
 
 
@@ -11,7 +13,8 @@ class CronlockError(Exception):
 
 class DatabaseUnavailable(CronlockError):
     """The database cannot serve this request now: down, no free connection, a standby,
-    or migrations not current. Answered as 503 with Retry-After."""
+    or migrations not current. Answered as 503 with Retry-After; never for a value the
+    database refused (that is InvalidInput)."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -24,6 +27,20 @@ class JobDefinitionError(CronlockError):
 
 class InvalidTrigger(CronlockError):
     """A trigger's parameters are wrong (bad backfill slot, bad params); answered as 422."""
+
+
+class InvalidInput(CronlockError):
+    """The database refused a value the request (or the command line) gave it: a data
+    exception, SQLSTATE class 22. The client's mistake, answered as 422 (CLI: exit 2), not a
+    503 that would page someone and invite the client to send it again.
+
+    `loc` says where the value came from ("query", "body", ...) as far as the caller knows:
+    the database does not say which parameter it refused."""
+
+    def __init__(self, reason: str, loc: tuple[str, ...] = ()) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.loc = loc
 
 
 # Errors that mean "the database cannot serve us now", as opposed to a bug in a query.
@@ -65,3 +82,36 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, asyncpg.PostgresError):
         return f"database error {exc.sqlstate}"
     return type(exc).__name__
+
+
+# Everything `translate` turns into one of ours.
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
+
+
+def translate(exc: BaseException, *, input_from: tuple[str, ...] | None = None) -> CronlockError:
+    """The one translation of a driver or OS error into ours; raise it `from exc`.
+
+    `input_from` is given where the statements carry values of the request or command line
+    (it says where they came from: "query", "body"...). There a data exception (SQLSTATE class
+    22: a number out of range, a NUL in text, a date the server cannot hold) is the caller's
+    InvalidInput; everywhere else, as for every other error, the database is unavailable. A
+    job's own statements never come here: their errors are the job's failure (500, run id).
+    """
+    if isinstance(exc, CONNECTION_ERRORS):
+        return DatabaseUnavailable(f"database unreachable: {describe(exc)}")
+    if isinstance(exc, asyncpg.UndefinedTableError | asyncpg.InvalidSchemaNameError):
+        return DatabaseUnavailable("migrations not applied (python -m app migrate)")
+    if input_from is not None and isinstance(exc, asyncpg.DataError):
+        return InvalidInput(f"a value the database cannot take: {refused(exc)}", input_from)
+    return DatabaseUnavailable(f"database error: {describe(exc)}")
+
+
+def refused(exc: asyncpg.DataError) -> str:
+    """What kind of value was refused, from the condition's name, never from the message:
+    that quotes the value, which may be anything a client sent."""
+    if type(exc) is asyncpg.DataError:
+        # 22000 itself is what asyncpg raises when it cannot even encode an argument (an
+        # integer beyond bigint, a str with a lone surrogate), before the server sees it.
+        return "out of range or of the wrong type for its parameter (SQLSTATE 22000)"
+    words = re.sub(r"(?<!^)(?=[A-Z])", " ", type(exc).__name__.removesuffix("Error")).lower()
+    return f"{words} (SQLSTATE {exc.sqlstate})"

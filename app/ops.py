@@ -31,8 +31,16 @@ from pydantic import BaseModel, ConfigDict, PlainSerializer
 from app import ledger, outbox
 from app.db import Conn
 from app.deps import DatabaseDep, RegistryDep, RunnerDep, SettingsDep, error
-from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, InvalidTrigger, describe
-from app.jobs import Job, Registry
+from app.errors import (
+    CONNECTION_ERRORS,
+    DRIVER_ERRORS,
+    DatabaseUnavailable,
+    InvalidTrigger,
+    describe,
+    translate,
+)
+from app.inputs import BIGINT_MAX
+from app.jobs import NAME_PATTERN, Job, Registry
 from app.lock import LockKey, held_locks, internal_lock, lock_key
 from app.metrics import CONTENT_TYPE
 from app.outcome import Outcome
@@ -336,19 +344,16 @@ async def run(conn: Conn, registry: Registry, run_id: int) -> RunView | None:
 
 
 @contextlib.asynccontextmanager
-async def reading(conn: Conn) -> AsyncIterator[Conn]:
+async def reading(conn: Conn, *, input_from: tuple[str, ...] | None = None) -> AsyncIterator[Conn]:
     """A short transaction with a statement timeout; database errors become
-    DatabaseUnavailable (503 for the routes, exit code 3 for the CLI)."""
+    DatabaseUnavailable (503 for the routes, exit code 3 for the CLI), or InvalidInput (422,
+    exit 2) for a value the caller passed in from `input_from` (see `db.translate`)."""
     try:
         async with conn.transaction():
             await conn.execute(READ_TIMEOUT_SQL)
             yield conn
-    except asyncpg.UndefinedTableError as exc:
-        raise DatabaseUnavailable("migrations not applied (python -m app migrate)") from exc
-    except CONNECTION_ERRORS as exc:
-        raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
-    except asyncpg.PostgresError as exc:
-        raise DatabaseUnavailable(f"database error: {describe(exc)}") from exc
+    except DRIVER_ERRORS as exc:
+        raise translate(exc, input_from=input_from) from exc
 
 
 # --- cancel ---------------------------------------------------------------------------------
@@ -423,10 +428,8 @@ async def catch_up(runner: Runner) -> list[Outcome]:
                     outcomes.append(await runner.trigger(job, slot=slot, source="catch-up"))
                 except InvalidTrigger as exc:
                     log.warning("cannot catch up %s: %s", job.name, exc.args[0])
-    except CONNECTION_ERRORS as exc:
-        raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
-    except asyncpg.PostgresError as exc:
-        raise DatabaseUnavailable(f"database error: {describe(exc)}") from exc
+    except DRIVER_ERRORS as exc:
+        raise translate(exc) from exc
     return outcomes
 
 
@@ -466,6 +469,27 @@ UNAVAILABLE: dict[int | str, dict[str, Any]] = {
     503: {"description": "database unavailable (Retry-After)"}
 }
 
+# OpenAPI links: how a client (and a stateful fuzzer) goes from one answer to the next
+# request. A trigger's 202 links here too (app/api.py).
+GET_RUN = "get_run"
+RUN_LINK: dict[str, Any] = {
+    "operationId": GET_RUN,
+    "parameters": {"run_id": "$response.body#/run_id"},
+    "description": "the run this answer names",
+}
+RUNS_LINKS: dict[str, Any] = {
+    "NextPage": {
+        "operationId": "get_runs",
+        "parameters": {"before": "$response.body#/next"},
+        "description": "the next (older) page",
+    },
+    "NewestRun": {
+        "operationId": GET_RUN,
+        "parameters": {"run_id": "$response.body#/runs/0/id"},
+        "description": "the newest run of this page",
+    },
+}
+
 
 @router.get("/cron/jobs", response_model=JobsView, responses=UNAVAILABLE)
 async def get_jobs(db: DatabaseDep, registry: RegistryDep, settings: SettingsDep) -> Any:
@@ -480,23 +504,32 @@ async def get_jobs(db: DatabaseDep, registry: RegistryDep, settings: SettingsDep
         return error(503, "database unavailable", reason=exc.reason)
 
 
-@router.get("/cron/runs", response_model=RunsPage, responses=UNAVAILABLE)
+@router.get(
+    "/cron/runs",
+    response_model=RunsPage,
+    operation_id="get_runs",
+    responses={200: {"links": RUNS_LINKS}, **UNAVAILABLE},
+)
 async def get_runs(
     db: DatabaseDep,
     registry: RegistryDep,
     settings: SettingsDep,
-    job: Annotated[str | None, Query(max_length=100)] = None,
-    status: RunStatus | None = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    before: Annotated[int | None, Query(ge=1, description="the `next` of the previous page")] = (
+    # Validated here, before any statement: what the database would refuse as a data
+    # exception is a 422 naming the parameter (see app/inputs.py).
+    job: Annotated[str | None, Query(pattern=NAME_PATTERN.pattern, description="a job name")] = (
         None
     ),
+    status: RunStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    before: Annotated[
+        int | None, Query(ge=1, le=BIGINT_MAX, description="the `next` of the previous page")
+    ] = None,
 ) -> Any:
     """Run history, newest first, one page at a time."""
     try:
         async with db.connection() as conn:
             await sweep(conn, settings, job)
-            async with reading(conn):
+            async with reading(conn, input_from=("query",)):
                 return await runs(
                     conn, registry, job=job, status=status, before=before, limit=limit
                 )
@@ -507,10 +540,11 @@ async def get_runs(
 @router.get(
     "/cron/runs/{run_id}",
     response_model=RunView,
+    operation_id=GET_RUN,
     responses={404: {"description": "no such run"}, **UNAVAILABLE},
 )
 async def get_run(
-    run_id: Annotated[int, Path(ge=1, le=2**63 - 1, description="a run id (bigint)")],
+    run_id: Annotated[int, Path(ge=1, le=BIGINT_MAX, description="a run id (bigint)")],
     db: DatabaseDep,
     registry: RegistryDep,
     settings: SettingsDep,
@@ -518,12 +552,12 @@ async def get_run(
     """One run; poll it to follow a run started with `wait=false`."""
     try:
         async with db.connection() as conn:
-            async with reading(conn):
+            async with reading(conn, input_from=("path", "run_id")):
                 found = await run(conn, registry, run_id)
             # A running row without its lock: the instance may have died. Settle it, look again.
             stale = found is not None and found.status == "running" and not found.running
             if stale and found is not None and await sweep(conn, settings, found.job):
-                async with reading(conn):
+                async with reading(conn, input_from=("path", "run_id")):
                     found = await run(conn, registry, run_id)
     except DatabaseUnavailable as exc:
         return error(503, "database unavailable", reason=exc.reason)

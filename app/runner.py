@@ -22,7 +22,14 @@ import asyncpg
 
 from app import ledger
 from app.db import Conn, Database, deadline, terminate
-from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, InvalidTrigger, describe
+from app.errors import (
+    CONNECTION_ERRORS,
+    DRIVER_ERRORS,
+    DatabaseUnavailable,
+    InvalidTrigger,
+    describe,
+    translate,
+)
 from app.jobs import Job, JobContext, Registry, Trigger
 from app.lock import LockKey, job_lock, probe, reset_session, try_lock, verify_keys
 from app.outcome import Kind, Outcome
@@ -156,10 +163,8 @@ class Runner:
                     scheduled=job.schedule is not None,
                     done_hint=self._done_hint(job),
                 )
-        except CONNECTION_ERRORS as exc:
-            raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
-        except asyncpg.PostgresError as exc:
-            raise DatabaseUnavailable(f"database error: {describe(exc)}") from exc
+        except DRIVER_ERRORS as exc:
+            raise translate(exc) from exc
         finally:
             await self.db.release(conn)
         if row["standby"]:
@@ -274,10 +279,10 @@ class Runner:
             )
             handed_over = True
             return _Lease(job, conn, tx, ctx)
-        except CONNECTION_ERRORS as exc:
-            raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
-        except asyncpg.PostgresError as exc:
-            raise DatabaseUnavailable(f"database error: {describe(exc)}") from exc
+        except DRIVER_ERRORS as exc:
+            # The run's ledger row carries the request's params (and slot): a value the
+            # database refuses there is the client's 422.
+            raise translate(exc, input_from=("body",)) from exc
         finally:
             if not handed_over:
                 try:

@@ -194,3 +194,15 @@ async def berlin(ctx: JobContext) -> int:
     """A fixed-hour job in a zone with daylight saving (slot tests)."""
     await record(ctx)
     return 1
+
+
+class Note(BaseModel):
+    text: str = Field(default="", max_length=200)
+
+
+@job("note", params=Note)
+async def note(ctx: JobContext) -> dict[str, str]:
+    """Record one effect and return its text: a string param, stored as jsonb in the ledger
+    (PostgreSQL refuses a NUL there, which a JSON string can carry as \\u0000)."""
+    await record(ctx)
+    return {"text": ctx.params.text}

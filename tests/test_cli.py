@@ -238,6 +238,87 @@ def test_exit_status_of_the_process(cli_env: dict[str, str]) -> None:
     assert run_process({**cli_env, "DATABASE_URL": DOWN_URL}, "jobs").returncode == 3
 
 
+# --- bad arguments ----------------------------------------------------------------------------
+
+# (arguments, what the message names): argparse's usage error, before anything is opened.
+BAD_ARGUMENTS: list[tuple[list[str], str]] = [
+    (["runs", "--before", str(2**63 + 1)], "--before: must be between 1 and 9223372036854775807"),
+    (["runs", "--before", "0"], "--before"),
+    (["runs", "--before", "next"], "--before: not an integer"),
+    (["runs", "--limit", "501"], "--limit: must be between 1 and 500"),
+    (["runs", "--job", "fast\x00"], "--job: not a job name"),
+    (["runs", "--job", "\udcff"], "--job: not a job name"),  # a non-UTF-8 byte in argv
+    (
+        ["run", "fast", "--slot", "9999-12-31T23:59:00-01:00"],
+        "--slot: '9999-12-31T23:59:00-01:00' is out of range",
+    ),
+    (
+        ["run", "fast", "--slot", "2026-01-01T07:00:00"],
+        "--slot: '2026-01-01T07:00:00' needs a time zone",
+    ),
+    (["run", "fast", "--slot", "yesterday"], "--slot: not an ISO 8601 time"),
+    (["run", "fast", "--params", '{"text": "\udcff"}'], "--params: contains a lone surrogate"),
+    (["run", "fast;drop"], "job: not a job name"),
+    (["cancel", "slow", "--wait", "nan"], "--wait: must be a finite, non-negative number"),
+    (["cancel", "slow", "--wait", "-1"], "--wait"),
+    (["trigger", "fast", "--timeout", "0"], "--timeout: must be more than 0 seconds"),
+    (["trigger", "fast", "--url", "localhost:8000"], "--url: not an http(s) URL"),
+    (["trigger", "fast", "--params", "\udcff"], "--params: contains a lone surrogate"),
+    (["outbox", "dead", "--limit", str(2**64)], "--limit: must be between 1 and"),
+    (["outbox", "requeue", "0"], "ids: must be between 1 and"),
+    (["serve", "--port", "70000"], "--port: must be between 0 and 65535"),
+    (["serve", "--demo-users", "-1"], "--demo-users"),
+    (["schedule", "export", "--format", "crontab", "--image", "a\x00"], "--image: contains NUL"),
+]
+
+
+def test_a_bad_argument_is_exit_2_with_a_message_never_a_traceback(
+    cli_env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    for args, message in BAD_ARGUMENTS:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            cli.main(args)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2, (args, err)
+        assert message in err, (args, err)
+        assert "Traceback" not in err
+
+
+def test_a_bad_argument_in_the_process(cli_env: dict[str, str]) -> None:
+    for args, message in (BAD_ARGUMENTS[0], BAD_ARGUMENTS[5]):
+        done = run_process(cli_env, *args)
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+
+async def test_bad_values_the_commands_see_later_are_exit_2_too(
+    cli_env: dict[str, str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # NUL in a JSON string: valid JSON, but no text the ledger's jsonb can store.
+    r = await run_cli(capsys, "run", "note", "--params", '{"text": "a\\u0000"}')
+    assert (r.code, r.out) == (2, ""), r.err
+    assert "invalid trigger" in r.err
+    assert "NUL" in r.err
+    r = await run_cli(
+        capsys, "schedule", "export", "--format", "crontab", "-o", str(tmp_path / "no" / "f")
+    )
+    assert r.code == 2, r.err
+    assert "cannot write" in r.err
+    assert "Traceback" not in r.err
+    # A value the database refuses on a command's own statement: the caller's, exit 2.
+    from app.errors import InvalidInput
+    from app.settings import Settings
+
+    async def refused() -> None:
+        async with cli._connection(Settings()) as conn:
+            await conn.fetchval("SELECT $1::bigint", 2**63)
+
+    with pytest.raises(InvalidInput, match="SQLSTATE 22000"):
+        await refused()
+
+
 # --- trigger ----------------------------------------------------------------------------------
 
 
