@@ -19,14 +19,13 @@ from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Valid
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import ops
+from app import routes
 from app.auth import route_path
 from app.deps import DatabaseDep, SettingsDep, error
 from app.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
-from app.inputs import check_timestamp, json_problem
-from app.jobs import RESERVED_NAMES, Job, Registry
-from app.ledger import iso
-from app.outcome import Outcome
+from app.inputs import check_timestamp
+from app.jobs import RESERVED_NAMES, Job, Registry, parse_params
+from app.outcome import Outcome, answer
 from app.runner import Runner
 from app.settings import Settings
 
@@ -70,35 +69,6 @@ def _declared_too_large(declared: str, limit: int) -> bool:
     return len(digits) > len(str(limit)) or int(digits or "0") > limit
 
 
-def parse_params(job: Job, body: bytes) -> Any:
-    """The job's validated params from the JSON body (InvalidTrigger for 422)."""
-    # No body is no params (the defaults); a body of `null` is not the object the document
-    # asks for, and is refused like any other.
-    data: Any = {}
-    if body.strip():
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidTrigger(f"body is not valid JSON: {exc}") from exc
-        except RecursionError as exc:  # "[[[[...": within MAX_BODY_BYTES, deeper than Python
-            raise InvalidTrigger("body is not valid JSON: nested too deeply") from exc
-    if job.params is None:
-        return None
-    try:
-        params = job.params.model_validate(data)
-    except ValidationError as exc:
-        raise InvalidTrigger(
-            json.loads(exc.json(include_url=False, include_context=False, include_input=False))
-        ) from exc
-    # What the ledger stores (jsonb): refused here with the field's name, rather than by the
-    # database with a data exception that names nothing.
-    problem = json_problem(params.model_dump(mode="json"))
-    if problem is not None:
-        loc, msg = problem
-        raise InvalidTrigger([{"type": "value_error", "loc": loc, "msg": f"Value {msg}"}])
-    return params
-
-
 def invalid_input(exc: InvalidInput) -> JSONResponse:
     """A value the database refused (`db.translate`): 422 in the shape of every other
     invalid request, never a 503."""
@@ -107,32 +77,8 @@ def invalid_input(exc: InvalidInput) -> JSONResponse:
 
 
 def outcome_response(outcome: Outcome) -> JSONResponse:
-    if outcome.kind == "succeeded":
-        return JSONResponse(
-            {
-                "job": outcome.job,
-                "processed": outcome.processed,
-                "run_id": outcome.run_id,
-                "slot": iso(outcome.slot),
-                "duration_ms": outcome.duration_ms,
-            }
-        )
-    if outcome.kind == "skipped":
-        body: dict[str, Any] = {"job": outcome.job, "skipped": True, "reason": outcome.reason}
-        if outcome.slot is not None:
-            body["slot"] = iso(outcome.slot)
-        return JSONResponse(body)
-    if outcome.kind == "accepted":
-        return JSONResponse(
-            {"job": outcome.job, "run_id": outcome.run_id, "slot": iso(outcome.slot)},
-            status_code=202,
-        )
-    if outcome.kind == "timed_out":
-        return error(504, "job timed out", job=outcome.job, run_id=outcome.run_id)
-    if outcome.kind == "cancelled":
-        # Still a 5xx: the slot is not done, and a scheduler should know.
-        return error(500, "job cancelled", job=outcome.job, run_id=outcome.run_id)
-    return error(500, "job failed", job=outcome.job, run_id=outcome.run_id)
+    status, body = answer(outcome)
+    return JSONResponse(body, status_code=status)
 
 
 NO_QUERY = TriggerQuery()
@@ -281,7 +227,7 @@ def job_router(registry: Registry, settings: Settings) -> APIRouter:
                 202: {
                     "description": "accepted (wait=false): follow the run at its link",
                     "content": {"application/json": {"schema": ACCEPTED_SCHEMA}},
-                    "links": {"GetRun": ops.RUN_LINK},
+                    "links": {"GetRun": routes.RUN_LINK},
                 },
                 401: {"description": "missing or wrong secret"},
                 413: {"description": "body too large"},
@@ -334,7 +280,7 @@ def is_read_route(name: str) -> bool:
 
 def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
     app.include_router(health_router)
-    app.include_router(ops.router)
+    app.include_router(routes.router)
     app.include_router(job_router(registry, settings))
 
     # Anything under /cron/ that is not a route: an unknown job (404), or a known job asked

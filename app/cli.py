@@ -309,10 +309,9 @@ async def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
-    from app.api import parse_params
     from app.db import Database
     from app.errors import InvalidTrigger
-    from app.jobs import load
+    from app.jobs import load, parse_params
     from app.runner import Runner
 
     settings = Settings()
@@ -337,9 +336,9 @@ async def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     finally:
         await db.close()
-    from app.api import outcome_response
+    from app.outcome import answer
 
-    body = json.loads(bytes(outcome_response(outcome).body))
+    _, body = answer(outcome)
     if args.json:
         print(json.dumps(body))
     else:
@@ -920,9 +919,9 @@ def cmd_schedule_export(args: argparse.Namespace) -> int:
 
 
 async def cmd_catch_up(args: argparse.Namespace) -> int:
-    from app import ops
-    from app.api import outcome_response
+    from app import catchup
     from app.db import Database
+    from app.outcome import answer
     from app.runner import Runner
 
     settings = Settings()
@@ -931,12 +930,12 @@ async def cmd_catch_up(args: argparse.Namespace) -> int:
     await db.open()
     try:
         await db.check(apply_migrations=False)
-        outcomes = await ops.catch_up(Runner(settings, registry, db))
+        outcomes = await catchup.catch_up(Runner(settings, registry, db))
     except DatabaseUnavailable as exc:
         return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
     finally:
         await db.close()
-    bodies = [json.loads(bytes(outcome_response(o).body)) for o in outcomes]
+    bodies = [answer(o)[1] for o in outcomes]
     if args.json:
         print(json.dumps({"caught_up": bodies}))
     elif not bodies:

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import re
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from app.db import Conn
-from app.errors import JobDefinitionError
+from app.errors import InvalidTrigger, JobDefinitionError
+from app.inputs import json_problem
 from app.lock import LockKey, job_lock, lock_key
 from app.schedule import Schedule, ScheduleError
 from app.settings import Settings
@@ -195,3 +197,32 @@ def load(modules: list[str], namespace: int = 0, schema: str = "cronlock") -> Re
     registry = Registry(dict(sorted(chosen.items())), namespace, schema)
     registry.check_keys()
     return registry
+
+
+def parse_params(job: Job, body: bytes) -> Any:
+    """The job's validated params from the JSON body (InvalidTrigger for 422)."""
+    # No body is no params (the defaults); a body of `null` is not the object the document
+    # asks for, and is refused like any other.
+    data: Any = {}
+    if body.strip():
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidTrigger(f"body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:  # "[[[[...": within MAX_BODY_BYTES, deeper than Python
+            raise InvalidTrigger("body is not valid JSON: nested too deeply") from exc
+    if job.params is None:
+        return None
+    try:
+        params = job.params.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidTrigger(
+            json.loads(exc.json(include_url=False, include_context=False, include_input=False))
+        ) from exc
+    # What the ledger stores (jsonb): refused here with the field's name, rather than by the
+    # database with a data exception that names nothing.
+    problem = json_problem(params.model_dump(mode="json"))
+    if problem is not None:
+        loc, msg = problem
+        raise InvalidTrigger([{"type": "value_error", "loc": loc, "msg": f"Value {msg}"}])
+    return params

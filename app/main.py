@@ -13,7 +13,7 @@ from typing import TypedDict
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from app import __version__, api, logs, ops, sender
+from app import __version__, api, catchup, logs, sender
 from app.auth import BearerAuth
 from app.db import Database
 from app.errors import JobDefinitionError
@@ -60,7 +60,7 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
         stop = asyncio.Event()
         tasks = [asyncio.create_task(db.watch(stop), name="db-watch")]
         if any(job.catch_up for job in registry.values()):
-            tasks.append(asyncio.create_task(ops.catch_up_loop(runner, stop), name="catch-up"))
+            tasks.append(asyncio.create_task(catchup.catch_up_loop(runner, stop), name="catch-up"))
         if settings.outbox_enabled:
             tasks.append(asyncio.create_task(_deliver(db, settings, stop), name="outbox"))
         # What exists now (the app, its routes and models, imported modules) lives as long as

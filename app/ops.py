@@ -1,7 +1,8 @@
-"""What an operator sees and does: jobs, runs, locks, metrics, and catching up a missed slot.
+"""What an operator sees and does: jobs, runs, locks, and signalling a lock's holder.
 
-The views are plain functions of a connection, shared by the routes below and by the CLI
-(`python -m app jobs|runs|locks`), so both show the same thing.
+The views are plain functions of a connection, shared by the read routes (app/routes.py) and
+by the CLI (`python -m app jobs|runs|locks`), so both show the same thing; nothing here needs
+the web framework.
 
 "Running" here only ever comes from `pg_locks`: a transaction-level advisory lock exists
 exactly while its run's transaction does, whereas a ledger row says `running` until someone
@@ -16,7 +17,6 @@ missed tick until a run succeeds, instead of clearing at the next tick and flapp
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -24,27 +24,18 @@ from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal, get_args
 
 import asyncpg
-from fastapi import APIRouter, Path, Query
-from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, PlainSerializer
 
 from app import ledger, outbox
 from app.db import Conn
-from app.deps import DatabaseDep, RegistryDep, RunnerDep, SettingsDep, error
 from app.errors import (
     CONNECTION_ERRORS,
     DRIVER_ERRORS,
-    DatabaseUnavailable,
-    InvalidTrigger,
     describe,
     translate,
 )
-from app.inputs import BIGINT_MAX
-from app.jobs import NAME_PATTERN, Job, Registry
+from app.jobs import Job, Registry
 from app.lock import LockKey, held_locks, internal_lock, lock_key
-from app.metrics import CONTENT_TYPE
-from app.outcome import Outcome
-from app.runner import Runner
 from app.schedule import ScheduleError
 from app.settings import Settings
 
@@ -63,14 +54,10 @@ NOW_SQL = "SELECT now()"
 CANCEL_SQL = "SELECT pg_cancel_backend($1)"
 TERMINATE_SQL = "SELECT pg_terminate_backend($1)"
 
-# Serialises catch-up decisions across the instances of one deployment (see `catch_up`).
-CATCH_UP = "catch-up"
-CATCH_UP_LOCK_SQL = """
-SELECT set_config('idle_in_transaction_session_timeout', $3, true),
-       pg_try_advisory_xact_lock(hashtextextended($1, $2)) AS locked,
-       now() AS db_now
-"""
 
+# The name of the lock that serialises catch-up decisions (app/catchup.py), so that `locks`
+# can name it.
+CATCH_UP = "catch-up"
 
 SWEEP_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
 
@@ -366,92 +353,6 @@ async def signal_holder(conn: Conn, pid: int, *, terminate: bool) -> bool:
     return bool(await conn.fetchval(TERMINATE_SQL if terminate else CANCEL_SQL, pid))
 
 
-# --- catching up ----------------------------------------------------------------------------
-
-
-def missed_slot(
-    job: Job, now: datetime, last_success: datetime | None, backfill_window: float
-) -> datetime | None:
-    """The slot a `catch_up` job should still run: overdue, young enough to backfill, and not
-    later than the job's own `max_lateness` allows."""
-    if not job.catch_up or not is_overdue(job, now, last_success):
-        return None
-    slot = due_slot(job, now)
-    assert slot is not None
-    late = (now - slot).total_seconds()
-    if late > backfill_window or (job.max_lateness is not None and late > job.max_lateness):
-        return None
-    return slot
-
-
-async def catch_up(runner: Runner) -> list[Outcome]:
-    """Run the missed slot of each job that opted in (`catch_up=True`), at most once per slot.
-
-    "Missed" means no scheduled or backfill run was even attempted for the due slot; a slot
-    whose run failed stays overdue for a person to look at. The slot runs as a backfill, so
-    its success counts like the scheduled run would have. Decisions are taken under a lock of
-    their own and the attempt's ledger row is committed before that lock is released, so two
-    instances never both attempt one slot.
-    """
-    chosen = [j for j in runner.registry.values() if j.catch_up and j.schedule is not None]
-    if not chosen:
-        return []
-    settings, db = runner.settings, runner.db
-    await db.ensure_ready()
-    outcomes: list[Outcome] = []
-    longest = max(j.timeout for j in chosen) + settings.db_timeout_margin
-    try:
-        async with db.connection(bounded=False) as conn, conn.transaction():
-            row = await conn.fetchrow(
-                CATCH_UP_LOCK_SQL,
-                internal_lock(settings.db_schema, CATCH_UP),
-                settings.lock_namespace,
-                f"{int(longest * 1000)}ms",
-            )
-            assert row is not None
-            if not row["locked"]:
-                return []
-            now: datetime = row["db_now"]
-            succeeded = await ledger.last_succeeded_slots(
-                conn, settings.db_schema, [j.name for j in chosen]
-            )
-            for job in chosen:
-                slot = missed_slot(job, now, succeeded.get(job.name), settings.backfill_window)
-                if slot is None or await ledger.slot_attempted(
-                    conn, settings.db_schema, job.name, slot
-                ):
-                    continue
-                log.info(
-                    "catching up %s", job.name, extra={"job": job.name, "slot": slot.isoformat()}
-                )
-                try:
-                    outcomes.append(await runner.trigger(job, slot=slot, source="catch-up"))
-                except InvalidTrigger as exc:
-                    log.warning("cannot catch up %s: %s", job.name, exc.args[0])
-    except DRIVER_ERRORS as exc:
-        raise translate(exc) from exc
-    return outcomes
-
-
-async def catch_up_loop(runner: Runner, stop: asyncio.Event) -> None:
-    """`catch_up` in the background of a service instance: as soon as the database is ready,
-    then every CATCH_UP_INTERVAL seconds."""
-    interval = runner.settings.catch_up_interval
-    while not stop.is_set():
-        if runner.db.migrated:
-            try:
-                await catch_up(runner)
-            except DatabaseUnavailable as exc:
-                log.warning("catch-up skipped: %s", exc.reason)
-            except Exception:
-                log.exception("catch-up failed")
-            wait = interval
-        else:
-            wait = min(interval, 1.0)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), wait)
-
-
 async def outbox_stats(conn: Conn, schema: str) -> dict[str, float] | None:
     """The outbox's queue figures, or None where there is no outbox table (not migrated)."""
     try:
@@ -459,149 +360,3 @@ async def outbox_stats(conn: Conn, schema: str) -> dict[str, float] | None:
             return await outbox.outbox_stats(conn, schema)
     except asyncpg.UndefinedTableError:
         return None
-
-
-# --- routes ---------------------------------------------------------------------------------
-
-router = APIRouter(tags=["operations"])
-
-UNAVAILABLE: dict[int | str, dict[str, Any]] = {
-    503: {"description": "database unavailable (Retry-After)"}
-}
-
-# OpenAPI links: how a client (and a stateful fuzzer) goes from one answer to the next
-# request. A trigger's 202 links here too (app/api.py).
-GET_RUN = "get_run"
-RUN_LINK: dict[str, Any] = {
-    "operationId": GET_RUN,
-    "parameters": {"run_id": "$response.body#/run_id"},
-    "description": "the run this answer names",
-}
-RUNS_LINKS: dict[str, Any] = {
-    "NextPage": {
-        "operationId": "get_runs",
-        "parameters": {"before": "$response.body#/next"},
-        "description": "the next (older) page",
-    },
-    "NewestRun": {
-        "operationId": GET_RUN,
-        "parameters": {"run_id": "$response.body#/runs/0/id"},
-        "description": "the newest run of this page",
-    },
-}
-
-
-@router.get("/cron/jobs", response_model=JobsView, responses=UNAVAILABLE)
-async def get_jobs(db: DatabaseDep, registry: RegistryDep, settings: SettingsDep) -> Any:
-    """Every registered job: schedule, current and next slot, last run, running now (from
-    pg_locks) and where, and whether it is overdue."""
-    try:
-        async with db.connection() as conn:
-            await sweep(conn, settings)
-            async with reading(conn):
-                return await jobs(conn, registry)
-    except DatabaseUnavailable as exc:
-        return error(503, "database unavailable", reason=exc.reason)
-
-
-@router.get(
-    "/cron/runs",
-    response_model=RunsPage,
-    operation_id="get_runs",
-    responses={200: {"links": RUNS_LINKS}, **UNAVAILABLE},
-)
-async def get_runs(
-    db: DatabaseDep,
-    registry: RegistryDep,
-    settings: SettingsDep,
-    # Validated here, before any statement: what the database would refuse as a data
-    # exception is a 422 naming the parameter (see app/inputs.py).
-    job: Annotated[str | None, Query(pattern=NAME_PATTERN.pattern, description="a job name")] = (
-        None
-    ),
-    status: RunStatus | None = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    before: Annotated[
-        int | None, Query(ge=1, le=BIGINT_MAX, description="the `next` of the previous page")
-    ] = None,
-) -> Any:
-    """Run history, newest first, one page at a time."""
-    try:
-        async with db.connection() as conn:
-            await sweep(conn, settings, job)
-            async with reading(conn, input_from=("query",)):
-                return await runs(
-                    conn, registry, job=job, status=status, before=before, limit=limit
-                )
-    except DatabaseUnavailable as exc:
-        return error(503, "database unavailable", reason=exc.reason)
-
-
-@router.get(
-    "/cron/runs/{run_id}",
-    response_model=RunView,
-    operation_id=GET_RUN,
-    responses={404: {"description": "no such run"}, **UNAVAILABLE},
-)
-async def get_run(
-    run_id: Annotated[int, Path(ge=1, le=BIGINT_MAX, description="a run id (bigint)")],
-    db: DatabaseDep,
-    registry: RegistryDep,
-    settings: SettingsDep,
-) -> Any:
-    """One run; poll it to follow a run started with `wait=false`."""
-    try:
-        async with db.connection() as conn:
-            async with reading(conn, input_from=("path", "run_id")):
-                found = await run(conn, registry, run_id)
-            # A running row without its lock: the instance may have died. Settle it, look again.
-            stale = found is not None and found.status == "running" and not found.running
-            if stale and found is not None and await sweep(conn, settings, found.job):
-                async with reading(conn, input_from=("path", "run_id")):
-                    found = await run(conn, registry, run_id)
-    except DatabaseUnavailable as exc:
-        return error(503, "database unavailable", reason=exc.reason)
-    if found is None:
-        return error(404, "unknown run", id=run_id)
-    return found
-
-
-@router.get("/cron/locks", response_model=LocksView, responses=UNAVAILABLE)
-async def get_locks(db: DatabaseDep, registry: RegistryDep) -> Any:
-    """Advisory locks held in this database (pg_locks joined to pg_stat_activity), each mapped
-    to its job, with the holding instance, its state and how long it has held the lock."""
-    try:
-        async with db.connection() as conn, reading(conn):
-            return LocksView(locks=await locks(conn, registry))
-    except DatabaseUnavailable as exc:
-        return error(503, "database unavailable", reason=exc.reason)
-
-
-@router.get(
-    "/metrics",
-    response_class=Response,
-    responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format"}},
-)
-async def get_metrics(runner: RunnerDep, db: DatabaseDep, registry: RegistryDep) -> Response:
-    """Prometheus metrics: this instance's counters plus deployment-wide gauges read from the
-    database (overdue jobs, outbox)."""
-    metrics = runner.metrics
-    if metrics is None:
-        return error(404, "metrics are not enabled")
-    try:
-        async with db.connection() as conn, reading(conn):
-            now: datetime = await conn.fetchval(NOW_SQL)
-            succeeded = await ledger.last_succeeded_slots(conn, registry.schema, list(registry))
-            overdue = {
-                j.name: is_overdue(j, now, succeeded.get(j.name))
-                for j in registry.values()
-                if j.schedule is not None
-            }
-            metrics.set_jobs(overdue, succeeded)
-            stats = await outbox_stats(conn, registry.schema)
-            if stats is not None:
-                metrics.set_outbox(stats)
-        metrics.database_up.set(1)
-    except DatabaseUnavailable:
-        metrics.database_up.set(0)
-    return Response(metrics.render(), media_type=CONTENT_TYPE)

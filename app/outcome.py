@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from app.jobs import Trigger
+from app.ledger import iso
 
 Kind = Literal["succeeded", "skipped", "accepted", "failed", "timed_out", "cancelled"]
 
@@ -23,3 +24,29 @@ class Outcome:
     duration_ms: float | None = None
     reason: str | None = None
     trigger: Trigger = "scheduled"
+
+
+def answer(outcome: Outcome) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and JSON body that answer a trigger (the CLI prints the same body)."""
+    ids = {"job": outcome.job, "run_id": outcome.run_id}
+    if outcome.kind == "succeeded":
+        return 200, {
+            "job": outcome.job,
+            "processed": outcome.processed,
+            "run_id": outcome.run_id,
+            "slot": iso(outcome.slot),
+            "duration_ms": outcome.duration_ms,
+        }
+    if outcome.kind == "skipped":
+        body: dict[str, Any] = {"job": outcome.job, "skipped": True, "reason": outcome.reason}
+        if outcome.slot is not None:
+            body["slot"] = iso(outcome.slot)
+        return 200, body
+    if outcome.kind == "accepted":
+        return 202, {**ids, "slot": iso(outcome.slot)}
+    if outcome.kind == "timed_out":
+        return 504, {"error": "job timed out", **ids}
+    if outcome.kind == "cancelled":
+        # Still a 5xx: the slot is not done, and a scheduler should know.
+        return 500, {"error": "job cancelled", **ids}
+    return 500, {"error": "job failed", **ids}

@@ -11,7 +11,7 @@ import asyncpg
 import httpx
 import pytest
 
-from app import ops
+from app import catchup, ops
 from app.db import Database
 from app.jobs import load
 from app.runner import Runner
@@ -141,7 +141,7 @@ async def test_an_attempted_slot_is_not_caught_up(
     try:
         await database.check(apply_migrations=False)
         runner = Runner(settings, registry, database)
-        assert await ops.catch_up(runner) == []
+        assert await catchup.catch_up(runner) == []
     finally:
         await database.close()
     assert [r["status"] for r in await runs(db, "catch-up-daily")] == ["failed"]
@@ -154,8 +154,8 @@ def test_missed_slot_rules() -> None:
     window = 7 * 86400.0
     # Within the grace (60 s) the day before is what is due; it succeeded.
     yesterday = midnight - timedelta(days=1)
-    assert ops.missed_slot(job, midnight + timedelta(seconds=30), yesterday, window) is None
-    assert ops.missed_slot(job, midnight + timedelta(seconds=61), yesterday, window) == midnight
-    assert ops.missed_slot(job, midnight + timedelta(hours=5), midnight, window) is None
+    assert catchup.missed_slot(job, midnight + timedelta(seconds=30), yesterday, window) is None
+    assert catchup.missed_slot(job, midnight + timedelta(seconds=61), yesterday, window) == midnight
+    assert catchup.missed_slot(job, midnight + timedelta(hours=5), midnight, window) is None
     # Too old to backfill: left for a person.
-    assert ops.missed_slot(job, midnight + timedelta(hours=5), None, 3600.0) is None
+    assert catchup.missed_slot(job, midnight + timedelta(hours=5), None, 3600.0) is None

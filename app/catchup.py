@@ -1,0 +1,112 @@
+"""Catching up: a `catch_up=True` job whose due slot was missed (no scheduled or backfill run
+was even attempted for it) runs it once, as a backfill, from any instance; a background loop
+of each service instance looks every CATCH_UP_INTERVAL seconds, and `python -m app catch-up`
+does it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import datetime
+
+from app import ledger
+from app.errors import DRIVER_ERRORS, DatabaseUnavailable, InvalidTrigger, translate
+from app.jobs import Job
+from app.lock import internal_lock
+from app.ops import CATCH_UP, due_slot, is_overdue
+from app.outcome import Outcome
+from app.runner import Runner
+
+log = logging.getLogger("cronlock.catchup")
+
+# Serialises catch-up decisions across the instances of one deployment (see `catch_up`).
+CATCH_UP_LOCK_SQL = """
+SELECT set_config('idle_in_transaction_session_timeout', $3, true),
+       pg_try_advisory_xact_lock(hashtextextended($1, $2)) AS locked,
+       now() AS db_now
+"""
+
+
+def missed_slot(
+    job: Job, now: datetime, last_success: datetime | None, backfill_window: float
+) -> datetime | None:
+    """The slot a `catch_up` job should still run: overdue, young enough to backfill, and not
+    later than the job's own `max_lateness` allows."""
+    if not job.catch_up or not is_overdue(job, now, last_success):
+        return None
+    slot = due_slot(job, now)
+    assert slot is not None
+    late = (now - slot).total_seconds()
+    if late > backfill_window or (job.max_lateness is not None and late > job.max_lateness):
+        return None
+    return slot
+
+
+async def catch_up(runner: Runner) -> list[Outcome]:
+    """Run the missed slot of each job that opted in (`catch_up=True`), at most once per slot.
+
+    "Missed" means no scheduled or backfill run was even attempted for the due slot; a slot
+    whose run failed stays overdue for a person to look at. The slot runs as a backfill, so
+    its success counts like the scheduled run would have. Decisions are taken under a lock of
+    their own and the attempt's ledger row is committed before that lock is released, so two
+    instances never both attempt one slot.
+    """
+    chosen = [j for j in runner.registry.values() if j.catch_up and j.schedule is not None]
+    if not chosen:
+        return []
+    settings, db = runner.settings, runner.db
+    await db.ensure_ready()
+    outcomes: list[Outcome] = []
+    longest = max(j.timeout for j in chosen) + settings.db_timeout_margin
+    try:
+        async with db.connection(bounded=False) as conn, conn.transaction():
+            row = await conn.fetchrow(
+                CATCH_UP_LOCK_SQL,
+                internal_lock(settings.db_schema, CATCH_UP),
+                settings.lock_namespace,
+                f"{int(longest * 1000)}ms",
+            )
+            assert row is not None
+            if not row["locked"]:
+                return []
+            now: datetime = row["db_now"]
+            succeeded = await ledger.last_succeeded_slots(
+                conn, settings.db_schema, [j.name for j in chosen]
+            )
+            for job in chosen:
+                slot = missed_slot(job, now, succeeded.get(job.name), settings.backfill_window)
+                if slot is None or await ledger.slot_attempted(
+                    conn, settings.db_schema, job.name, slot
+                ):
+                    continue
+                log.info(
+                    "catching up %s", job.name, extra={"job": job.name, "slot": slot.isoformat()}
+                )
+                try:
+                    outcomes.append(await runner.trigger(job, slot=slot, source="catch-up"))
+                except InvalidTrigger as exc:
+                    log.warning("cannot catch up %s: %s", job.name, exc.args[0])
+    except DRIVER_ERRORS as exc:
+        raise translate(exc) from exc
+    return outcomes
+
+
+async def catch_up_loop(runner: Runner, stop: asyncio.Event) -> None:
+    """`catch_up` in the background of a service instance: as soon as the database is ready,
+    then every CATCH_UP_INTERVAL seconds."""
+    interval = runner.settings.catch_up_interval
+    while not stop.is_set():
+        if runner.db.migrated:
+            try:
+                await catch_up(runner)
+            except DatabaseUnavailable as exc:
+                log.warning("catch-up skipped: %s", exc.reason)
+            except Exception:
+                log.exception("catch-up failed")
+            wait = interval
+        else:
+            wait = min(interval, 1.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), wait)
