@@ -314,11 +314,15 @@ def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
             {"error": str(exc.detail)}, status_code=exc.status_code, headers=headers
         )
 
-    # Raised out of the routes, whose handlers only answer DatabaseUnavailable themselves.
-    # (Triggers answer it in `trigger_handler`: they run ahead of these handlers.)
+    # Our errors raised out of the routes, answered in one place. (Triggers answer them in
+    # `trigger_handler`: they are dispatched ahead of the router and these handlers, for speed.)
     @app.exception_handler(InvalidInput)
     async def refused_input(request: Request, exc: InvalidInput) -> Response:
         return invalid_input(exc)
+
+    @app.exception_handler(DatabaseUnavailable)
+    async def unavailable(request: Request, exc: DatabaseUnavailable) -> Response:
+        return error(503, "database unavailable", reason=exc.reason)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> Response:

@@ -36,7 +36,8 @@ from app.settings import Settings, SettingsError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
-Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int] | int]
+# A command gets its arguments and the settings, read once (from the environment and .env).
+Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int] | int]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         try:
-            result = handler(args)
+            result = handler(args, Settings())
             if asyncio.iscoroutine(result):
                 return asyncio.run(result)
             assert isinstance(result, int)
@@ -154,10 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
 # --- serve ------------------------------------------------------------------------------------
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
-    settings = Settings()
     embedded = None
     if not settings.database_url:
         embedded, url = start_embedded(settings, args.demo_users)
@@ -171,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "cronlock: trigger the demo job with:\n"
             f"  curl -X POST -H @{header} http://{args.host}:{args.port}/cron/daily-digest"
         )
+    # Read again: DATABASE_URL and CRON_SECRET_FILE may have just been set above.
     settings = Settings()
     settings.check_secrets()
     # uvicorn re-raises SIGTERM once it has shut down; as an exception rather than the default
@@ -228,16 +229,14 @@ def start_embedded(settings: Settings, demo_users: int) -> tuple[Any, str]:
         f"cronlock: DATABASE_URL is not set; using the embedded PostgreSQL in "
         f"{settings.embedded_pg_dir} ({admin})"
     )
-    url = asyncio.run(_prepare_embedded(server, admin, demo_users))
+    url = asyncio.run(_prepare_embedded(server, admin, demo_users, settings))
     return server, url
 
 
-async def _prepare_embedded(server: Any, admin: str, demo_users: int) -> str:
+async def _prepare_embedded(server: Any, admin: str, demo_users: int, settings: Settings) -> str:
     import asyncpg
 
     from app.schema import migrate, migration_sets
-
-    settings = Settings()
 
     conn = await asyncpg.connect(admin)
     try:
@@ -273,11 +272,10 @@ async def _prepare_embedded(server: Any, admin: str, demo_users: int) -> str:
 # --- migrate, run -------------------------------------------------------------------------------
 
 
-async def cmd_migrate(args: argparse.Namespace) -> int:
+async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from app import schema
     from app.db import connect
 
-    settings = Settings()
     sets = schema.migration_sets(settings.job_modules)
     conn = await connect(settings)
     try:
@@ -308,13 +306,12 @@ async def cmd_migrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_run(args: argparse.Namespace) -> int:
+async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     from app.db import Database
     from app.errors import InvalidTrigger
     from app.jobs import load, parse_params
     from app.runner import Runner
 
-    settings = Settings()
     registry = load(settings.job_modules, settings.lock_namespace, settings.db_schema)
     if args.job not in registry:
         print(f"cronlock: unknown job {args.job!r}; known: {', '.join(registry)}", file=sys.stderr)
@@ -331,9 +328,6 @@ async def cmd_run(args: argparse.Namespace) -> int:
     except InvalidTrigger as exc:
         print(f"cronlock: invalid trigger: {exc.args[0]}", file=sys.stderr)
         return EXIT_USAGE
-    except DatabaseUnavailable as exc:
-        print(f"cronlock: database unavailable: {exc.reason}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
     finally:
         await db.close()
     from app.outcome import answer
@@ -432,7 +426,7 @@ def add_ops_commands(sub: Any) -> None:
     )
     drain.add_argument("--once", action="store_true", help="exit when nothing is due")
     drain.set_defaults(handler=cmd_outbox_drain)
-    outbox.set_defaults(handler=lambda args: _usage(outbox))
+    outbox.set_defaults(handler=lambda args, settings: _usage(outbox))
 
     schedule = sub.add_parser("schedule", help="the external scheduler's configuration")
     schedule_sub = schedule.add_subparsers(metavar="action")
@@ -462,7 +456,7 @@ def add_ops_commands(sub: Any) -> None:
     )
     export.add_argument("--output", "-o", type=Path, help="write here instead of stdout")
     export.set_defaults(handler=cmd_schedule_export)
-    schedule.set_defaults(handler=lambda args: _usage(schedule))
+    schedule.set_defaults(handler=lambda args, settings: _usage(schedule))
 
     catch_up = sub.add_parser(
         "catch-up", help="run, once, the missed slot of each job with catch_up=True"
@@ -553,10 +547,9 @@ async def _connection(
             await conn.close(timeout=settings.db_connect_timeout)
 
 
-async def cmd_jobs(args: argparse.Namespace) -> int:
+async def cmd_jobs(args: argparse.Namespace, settings: Settings) -> int:
     from app import ops
 
-    settings = Settings()
     registry = _load_registry(settings)
     async with _connection(settings) as conn:
         await ops.sweep(conn, settings)
@@ -602,10 +595,9 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_runs(args: argparse.Namespace) -> int:
+async def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
     from app import ops
 
-    settings = Settings()
     registry = _load_registry(settings)
     async with _connection(settings) as conn:
         await ops.sweep(conn, settings, args.job)
@@ -643,10 +635,9 @@ async def cmd_runs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_locks(args: argparse.Namespace) -> int:
+async def cmd_locks(args: argparse.Namespace, settings: Settings) -> int:
     from app import ops
 
-    settings = Settings()
     registry = _load_registry(settings)
     async with _connection(settings) as conn, ops.reading(conn):
         found = await ops.locks(conn, registry)
@@ -683,10 +674,9 @@ TRIGGER_EXIT = {
 }
 
 
-def cmd_trigger(args: argparse.Namespace) -> int:
+def cmd_trigger(args: argparse.Namespace, settings: Settings) -> int:
     import httpx
 
-    settings = Settings()
     tokens = settings.secrets()
     if not tokens:
         return _fail("set CRON_SECRET or CRON_SECRET_FILE (never on the command line)", EXIT_USAGE)
@@ -744,84 +734,38 @@ def _follow(client: Any, base: str, headers: dict[str, str], run_id: int) -> dic
         time.sleep(0.5)
 
 
-async def cmd_cancel(args: argparse.Namespace) -> int:
-    import time
-
+async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     from app import ops
-    from app.db import deadline
 
-    settings = Settings()
     registry = _load_registry(settings)
     if args.job not in registry:
         return _fail(f"unknown job {args.job!r}; known: {', '.join(registry)}", EXIT_USAGE)
-
-    async def holder(conn: Any) -> Any:
-        with deadline(conn, settings.db_query_timeout):
-            async with ops.reading(conn):
-                found = await ops.locks(conn, registry)
-        return next((lk for lk in found if lk.job == args.job and lk.granted), None)
-
-    async def signal(conn: Any, pid: int, *, terminate: bool) -> bool:
-        with deadline(conn, settings.db_query_timeout):
-            return await ops.signal_holder(conn, pid, terminate=terminate)
-
-    # Waits up to --wait on purpose: each step is bounded instead of the whole command.
+    # Waits up to --wait on purpose: ops.cancel bounds each step instead of the whole command.
     async with _connection(settings, bounded=False) as conn:
-        first = await holder(conn)
-        if first is None:
-            return _fail(f"{args.job} is not running", EXIT_FAILED)
-        give_up_at = time.monotonic() + args.wait
-        signalled = released = False
-        current = first
-        while True:
-            # A cancel reaches only a statement in progress; between statements (idle in
-            # transaction) it is ignored, so it is sent whenever one is running.
-            if args.terminate and not signalled:
-                signalled = await signal(conn, first.pid, terminate=True)
-            elif not args.terminate and current.state == "active":
-                signalled = await signal(conn, first.pid, terminate=False) or signalled
-            await asyncio.sleep(0.1)
-            current = await holder(conn)
-            # Released, or already held by a newer run (a pooled backend may be reused at once).
-            if current is None or (current.pid, current.run_id) != (first.pid, first.run_id):
-                released = True
-                break
-            if time.monotonic() > give_up_at:
-                break
-        run = None
-        if first.run_id is not None and released:
-            # The runner records the outcome in its own transaction just after the rollback;
-            # a terminated holder may not until its job wakes up, so its row is swept (as
-            # `abandoned`, corrected by the runner later) once its lock is seen gone.
-            settle = time.monotonic() + 5.0
-            while True:
-                with deadline(conn, settings.db_query_timeout):
-                    async with ops.reading(conn):
-                        run = await ops.run(conn, registry, first.run_id)
-                if run is None or run.status != "running" or time.monotonic() > settle:
-                    break
-                if released:
-                    with deadline(conn, settings.db_query_timeout):
-                        await ops.sweep(conn, settings, args.job)
-                await asyncio.sleep(0.1)
+        done = await ops.cancel(
+            conn, registry, settings, args.job, terminate=args.terminate, wait=args.wait
+        )
+    if done is None:
+        return _fail(f"{args.job} is not running", EXIT_FAILED)
+    first, run = done.holder, done.run
     result = {
         "job": args.job,
         "pid": first.pid,
         "instance": first.instance,
         "run_id": first.run_id,
         "signal": "terminate" if args.terminate else "cancel",
-        "released": released,
+        "released": done.released,
         "run": run.model_dump(mode="json") if run is not None else None,
     }
     if args.json:
         print(json.dumps(result))
-    elif released:
+    elif done.released:
         status = run.status if run is not None else "unknown"
         print(
             f"{args.job}: {result['signal']} sent to pid {first.pid} on {first.instance}; "
             f"lock released; run {first.run_id} recorded as {status}"
         )
-    elif not signalled:
+    elif not done.signalled:
         print(
             f"{args.job}: pid {first.pid} on {first.instance} ran no statement for {args.wait:g} s "
             "(idle in transaction): a cancel only reaches a running statement; use --terminate",
@@ -829,13 +773,12 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         )
     else:
         print(f"{args.job}: signal sent to pid {first.pid}, lock still held", file=sys.stderr)
-    return EXIT_OK if released else EXIT_FAILED
+    return EXIT_OK if done.released else EXIT_FAILED
 
 
-async def cmd_outbox_dead(args: argparse.Namespace) -> int:
+async def cmd_outbox_dead(args: argparse.Namespace, settings: Settings) -> int:
     from app import outbox
 
-    settings = Settings()
     async with _connection(settings) as conn:
         rows = await outbox.dead_rows(conn, schema=settings.db_schema, limit=args.limit)
     if args.json:
@@ -852,25 +795,19 @@ async def cmd_outbox_dead(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_outbox_drain(args: argparse.Namespace) -> int:
+async def cmd_outbox_drain(args: argparse.Namespace, settings: Settings) -> int:
     from app import sender
 
-    settings = Settings()
     settings.check_email()
-    try:
-        await sender.run_sender(settings, once=args.once)
-    except DatabaseUnavailable as exc:
-        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
+    await sender.run_sender(settings, once=args.once)
     return EXIT_OK
 
 
-async def cmd_outbox_requeue(args: argparse.Namespace) -> int:
+async def cmd_outbox_requeue(args: argparse.Namespace, settings: Settings) -> int:
+    from app import outbox
 
     if bool(args.ids) == bool(args.all):
         return _fail("give outbox ids, or --all", EXIT_USAGE)
-    from app import outbox
-
-    settings = Settings()
     async with _connection(settings) as conn:
         done = await outbox.requeue(
             conn,
@@ -890,10 +827,9 @@ async def cmd_outbox_requeue(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_schedule_export(args: argparse.Namespace) -> int:
+def cmd_schedule_export(args: argparse.Namespace, settings: Settings) -> int:
     from app.export import ExportError, export
 
-    settings = Settings()
     registry = _load_registry(settings)
     try:
         text, notes = export(
@@ -918,21 +854,18 @@ def cmd_schedule_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_catch_up(args: argparse.Namespace) -> int:
+async def cmd_catch_up(args: argparse.Namespace, settings: Settings) -> int:
     from app import catchup
     from app.db import Database
     from app.outcome import answer
     from app.runner import Runner
 
-    settings = Settings()
     registry = _load_registry(settings)
     db = Database(settings)
     await db.open()
     try:
         await db.check(apply_migrations=False)
         outcomes = await catchup.catch_up(Runner(settings, registry, db))
-    except DatabaseUnavailable as exc:
-        return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
     finally:
         await db.close()
     bodies = [answer(o)[1] for o in outcomes]

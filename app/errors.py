@@ -86,6 +86,9 @@ def describe(exc: BaseException) -> str:
 
 # Everything `translate` turns into one of ours.
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
+# A statement of ours that failed for any database reason, translated or not yet (a block that
+# overran DB_QUERY_TIMEOUT raises DatabaseUnavailable): what a background write retries later.
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (*DRIVER_ERRORS, DatabaseUnavailable)
 
 
 def translate(exc: BaseException, *, input_from: tuple[str, ...] | None = None) -> CronlockError:

@@ -17,9 +17,12 @@ missed tick until a run succeeds, instead of clearing at the next tick and flapp
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal, get_args
 
@@ -27,9 +30,8 @@ import asyncpg
 from pydantic import BaseModel, ConfigDict, PlainSerializer
 
 from app import ledger, outbox
-from app.db import Conn
+from app.db import Conn, deadline
 from app.errors import (
-    CONNECTION_ERRORS,
     DRIVER_ERRORS,
     describe,
     translate,
@@ -58,8 +60,6 @@ TERMINATE_SQL = "SELECT pg_terminate_backend($1)"
 # The name of the lock that serialises catch-up decisions (app/catchup.py), so that `locks`
 # can name it.
 CATCH_UP = "catch-up"
-
-SWEEP_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
 
 
 # --- views ----------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ async def sweep(conn: Conn, settings: Settings, job: str | None = None) -> list[
     """
     try:
         return await ledger.close_abandoned(conn, settings.db_schema, settings.lock_namespace, job)
-    except SWEEP_ERRORS as exc:
+    except DRIVER_ERRORS as exc:
         log.debug("could not close abandoned runs: %s", describe(exc))
         return []
 
@@ -344,6 +344,80 @@ async def reading(conn: Conn, *, input_from: tuple[str, ...] | None = None) -> A
 
 
 # --- cancel ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """What `cancel` did: the lock's holder as first seen, whether a signal reached it, whether
+    the lock was released within the wait, and the run as recorded afterwards."""
+
+    holder: LockView
+    signalled: bool
+    released: bool
+    run: RunView | None
+
+
+async def cancel(
+    conn: Conn,
+    registry: Registry,
+    settings: Settings,
+    job: str,
+    *,
+    terminate: bool,
+    wait: float,
+) -> Cancelled | None:
+    """Cancel (or terminate) the backend holding `job`'s lock and wait up to `wait` seconds for
+    the lock to go; None when the job is not running. Each step is bounded by
+    DB_QUERY_TIMEOUT, not the whole wait (`conn` is not bounded)."""
+
+    async def holder() -> LockView | None:
+        with deadline(conn, settings.db_query_timeout):
+            async with reading(conn):
+                found = await locks(conn, registry)
+        return next((lk for lk in found if lk.job == job and lk.granted), None)
+
+    async def send(pid: int, *, terminate: bool) -> bool:
+        with deadline(conn, settings.db_query_timeout):
+            return await signal_holder(conn, pid, terminate=terminate)
+
+    first = await holder()
+    if first is None:
+        return None
+    give_up_at = time.monotonic() + wait
+    signalled = released = False
+    current = first
+    while True:
+        # A cancel reaches only a statement in progress; between statements (idle in
+        # transaction) it is ignored, so it is sent whenever one is running.
+        if terminate and not signalled:
+            signalled = await send(first.pid, terminate=True)
+        elif not terminate and current.state == "active":
+            signalled = await send(first.pid, terminate=False) or signalled
+        await asyncio.sleep(0.1)
+        now_held = await holder()
+        # Released, or already held by a newer run (a pooled backend may be reused at once).
+        if now_held is None or (now_held.pid, now_held.run_id) != (first.pid, first.run_id):
+            released = True
+            break
+        current = now_held
+        if time.monotonic() > give_up_at:
+            break
+    found = None
+    if first.run_id is not None and released:
+        # The runner records the outcome in its own transaction just after the rollback; a
+        # terminated holder may not until its job wakes up, so its row is swept (as
+        # `abandoned`, corrected by the runner later) once its lock is seen gone.
+        settle = time.monotonic() + 5.0
+        while True:
+            with deadline(conn, settings.db_query_timeout):
+                async with reading(conn):
+                    found = await run(conn, registry, first.run_id)
+            if found is None or found.status != "running" or time.monotonic() > settle:
+                break
+            with deadline(conn, settings.db_query_timeout):
+                await sweep(conn, settings, job)
+            await asyncio.sleep(0.1)
+    return Cancelled(first, signalled, released, found)
 
 
 async def signal_holder(conn: Conn, pid: int, *, terminate: bool) -> bool:

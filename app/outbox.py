@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-import asyncpg
-
 from app import db
 from app.errors import CONNECTION_ERRORS, DatabaseUnavailable
 from app.mailer import (
@@ -57,13 +55,6 @@ PRUNE_CHUNK = 5000
 
 # For `requeue` callers without settings at hand; kept equal to the setting's default.
 DEFAULT_RETRY_WINDOW: float = Settings.model_fields["outbox_retry_window"].default
-
-# Errors that mean "the database cannot serve us now": wait and try again.
-DB_ERRORS: tuple[type[BaseException], ...] = (
-    *CONNECTION_ERRORS,
-    DatabaseUnavailable,
-    asyncpg.PostgresError,
-)
 
 # The longest `last_error` the outbox writes (a backend's own snippet is shorter).
 MAX_ERROR = 1000

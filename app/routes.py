@@ -1,5 +1,6 @@
 """The operator's read routes: jobs, runs, locks and metrics, over the views of app/ops.py
-(which the CLI shows too). Routes only: what they show is computed in ops."""
+(which the CLI shows too). Routes only: what they show is computed in ops, and our errors
+become answers in app/api.py's exception handlers (DatabaseUnavailable: 503)."""
 
 from __future__ import annotations
 
@@ -64,13 +65,10 @@ RUNS_LINKS: dict[str, Any] = {
 async def get_jobs(db: DatabaseDep, registry: RegistryDep, settings: SettingsDep) -> Any:
     """Every registered job: schedule, current and next slot, last run, running now (from
     pg_locks) and where, and whether it is overdue."""
-    try:
-        async with db.connection() as conn:
-            await sweep(conn, settings)
-            async with reading(conn):
-                return await jobs(conn, registry)
-    except DatabaseUnavailable as exc:
-        return error(503, "database unavailable", reason=exc.reason)
+    async with db.connection() as conn:
+        await sweep(conn, settings)
+        async with reading(conn):
+            return await jobs(conn, registry)
 
 
 @router.get(
@@ -95,15 +93,10 @@ async def get_runs(
     ] = None,
 ) -> Any:
     """Run history, newest first, one page at a time."""
-    try:
-        async with db.connection() as conn:
-            await sweep(conn, settings, job)
-            async with reading(conn, input_from=("query",)):
-                return await runs(
-                    conn, registry, job=job, status=status, before=before, limit=limit
-                )
-    except DatabaseUnavailable as exc:
-        return error(503, "database unavailable", reason=exc.reason)
+    async with db.connection() as conn:
+        await sweep(conn, settings, job)
+        async with reading(conn, input_from=("query",)):
+            return await runs(conn, registry, job=job, status=status, before=before, limit=limit)
 
 
 @router.get(
@@ -119,17 +112,14 @@ async def get_run(
     settings: SettingsDep,
 ) -> Any:
     """One run; poll it to follow a run started with `wait=false`."""
-    try:
-        async with db.connection() as conn:
+    async with db.connection() as conn:
+        async with reading(conn, input_from=("path", "run_id")):
+            found = await run(conn, registry, run_id)
+        # A running row without its lock: the instance may have died. Settle it, look again.
+        stale = found is not None and found.status == "running" and not found.running
+        if stale and found is not None and await sweep(conn, settings, found.job):
             async with reading(conn, input_from=("path", "run_id")):
                 found = await run(conn, registry, run_id)
-            # A running row without its lock: the instance may have died. Settle it, look again.
-            stale = found is not None and found.status == "running" and not found.running
-            if stale and found is not None and await sweep(conn, settings, found.job):
-                async with reading(conn, input_from=("path", "run_id")):
-                    found = await run(conn, registry, run_id)
-    except DatabaseUnavailable as exc:
-        return error(503, "database unavailable", reason=exc.reason)
     if found is None:
         return error(404, "unknown run", id=run_id)
     return found
@@ -139,11 +129,8 @@ async def get_run(
 async def get_locks(db: DatabaseDep, registry: RegistryDep) -> Any:
     """Advisory locks held in this database (pg_locks joined to pg_stat_activity), each mapped
     to its job, with the holding instance, its state and how long it has held the lock."""
-    try:
-        async with db.connection() as conn, reading(conn):
-            return LocksView(locks=await locks(conn, registry))
-    except DatabaseUnavailable as exc:
-        return error(503, "database unavailable", reason=exc.reason)
+    async with db.connection() as conn, reading(conn):
+        return LocksView(locks=await locks(conn, registry))
 
 
 @router.get(

@@ -23,7 +23,7 @@ import asyncpg
 from app import ledger
 from app.db import Conn, Database, deadline, terminate
 from app.errors import (
-    CONNECTION_ERRORS,
+    DATABASE_ERRORS,
     DRIVER_ERRORS,
     DatabaseUnavailable,
     InvalidTrigger,
@@ -39,13 +39,6 @@ if TYPE_CHECKING:
     from app.metrics import Metrics
 
 log = logging.getLogger("cronlock.run")
-
-# DatabaseUnavailable: the commit overran DB_QUERY_TIMEOUT (see `deadline`).
-COMMIT_ERRORS: tuple[type[BaseException], ...] = (
-    asyncpg.PostgresError,
-    DatabaseUnavailable,
-    *CONNECTION_ERRORS,
-)
 
 STANDBY_REASON = (
     "database is a standby: advisory locks there do not coordinate with the primary, "
@@ -380,7 +373,7 @@ class Runner:
                     lease.conn, self.settings.db_schema, lease.ctx.run_id, result
                 )
                 await lease.tx.commit()
-        except COMMIT_ERRORS as exc:
+        except DATABASE_ERRORS as exc:
             # Whether the commit landed is unknown when the connection broke during it: the
             # conditional update in `ledger.finish` leaves a succeeded row alone.
             reason = exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc)

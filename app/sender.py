@@ -20,10 +20,9 @@ import asyncpg
 
 from app import db
 from app.db import Conn
-from app.errors import DatabaseUnavailable, describe
+from app.errors import DATABASE_ERRORS, DatabaseUnavailable, describe
 from app.mailer import Mailer, SendResult, create_mailer, error_text, max_send_time
 from app.outbox import (
-    DB_ERRORS,
     PRUNE_CHUNK,
     PRUNE_INTERVAL,
     Claim,
@@ -260,7 +259,7 @@ class Sender:
             except OutcomeRefused:
                 self.stats.unwritten += 1
                 return  # logged by the writer; the row comes back after its lease
-            except DB_ERRORS as exc:
+            except DATABASE_ERRORS as exc:
                 if time.monotonic() + s.outbox_poll_interval >= batch.deadline:
                     log.warning(
                         "could not record outbox row %s as %s: %s; it is retried after its lease",
@@ -380,7 +379,7 @@ class Sender:
                     schema=self.settings.db_schema,
                     attempted=attempted,
                 )
-        except DB_ERRORS as exc:
+        except DATABASE_ERRORS as exc:
             log.warning(
                 "could not release outbox row %s (%s); it comes back after its lease",
                 row.id,
@@ -417,7 +416,7 @@ class Sender:
                 self._rate_wait = 0.0
                 try:
                     batch = await self._claim(s.outbox_batch_size, wait_for_tokens=False)
-                except DB_ERRORS as exc:
+                except DATABASE_ERRORS as exc:
                     self._report_db_trouble(exc)
                     await _wait_any(stop, within=s.outbox_poll_interval)
                     continue
@@ -486,7 +485,7 @@ class Sender:
                 deleted += chunk
                 if chunk < PRUNE_CHUNK:
                     break
-        except DB_ERRORS as exc:
+        except DATABASE_ERRORS as exc:
             log.debug("outbox prune stopped: %s", describe(exc))
         if deleted:
             log.info("outbox: pruned %d sent rows", deleted, extra={"event": "outbox_prune"})
@@ -543,7 +542,7 @@ class Sender:
                 # Anything committed while we were not listening is found by this poll.
                 self._wake.set()
                 await _wait_any(stop, lost)
-            except DB_ERRORS as exc:
+            except DATABASE_ERRORS as exc:
                 log.debug("outbox listener lost: %s", describe(exc))
             finally:
                 with contextlib.suppress(Exception):
