@@ -16,7 +16,13 @@ from collections.abc import AsyncIterator, Iterator
 import asyncpg
 
 from app import schema
-from app.errors import CONNECTION_ERRORS, DatabaseUnavailable, describe
+from app.errors import (
+    CONNECTION_ERRORS,
+    DRIVER_ERRORS,
+    DatabaseUnavailable,
+    describe,
+    translate,
+)
 from app.settings import Settings
 
 log = logging.getLogger("cronlock.db")
@@ -128,8 +134,8 @@ async def connect(settings: Settings, dsn: str | None = None) -> asyncpg.Connect
             timeout=settings.db_connect_timeout,
             server_settings={"application_name": application_name(settings.instance_name)},
         )
-    except CONNECTION_ERRORS as exc:
-        raise DatabaseUnavailable(describe(exc)) from exc
+    except DRIVER_ERRORS as exc:
+        raise translate(exc) from exc
     await _init_connection(conn)
     return conn
 
@@ -194,7 +200,7 @@ class Database:
                 raise DatabaseUnavailable("database unreachable: connecting timed out") from exc
             raise DatabaseUnavailable("no database connection free (pool exhausted)") from exc
         except CONNECTION_ERRORS as exc:
-            raise DatabaseUnavailable(f"database unreachable: {describe(exc)}") from exc
+            raise translate(exc) from exc
         if not self.server_version:
             self.server_version = conn.get_server_version().major * 10000
         return conn
