@@ -208,8 +208,13 @@ async def test_an_application_database_is_left_exactly_as_it_was(
     fresh_url: str, fresh: asyncpg.Connection, run_cli: Cli, start_instance: Starter
 ) -> None:
     """Its own users, runs, email_outbox, migrations... in public: migrate, two instances,
-    triggers, the digest, delivery and a ledger prune change nothing of it."""
+    triggers, the digest, delivery and a ledger prune change nothing of it, and work with no
+    search_path at all."""
     await fresh.execute(APP_SQL)
+    # Every session of this database starts with an empty search_path: a statement of ours that
+    # named a table without its schema would fail (or, with the default path, find the app's).
+    dbname = await fresh.fetchval("SELECT current_database()")
+    await fresh.execute(f"ALTER DATABASE {dbname} SET search_path TO ''")
     before = await snapshot(fresh)
     run_cli.env(DATABASE_URL=fresh_url)
     code, out, err = await run_cli("migrate")
