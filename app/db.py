@@ -18,7 +18,6 @@ import asyncpg
 from app import schema
 from app.errors import (
     CONNECTION_ERRORS,
-    DRIVER_ERRORS,
     DatabaseUnavailable,
     describe,
     translate,
@@ -134,7 +133,9 @@ async def connect(settings: Settings, dsn: str | None = None) -> asyncpg.Connect
             timeout=settings.db_connect_timeout,
             server_settings={"application_name": application_name(settings.instance_name)},
         )
-    except DRIVER_ERRORS as exc:
+    except CONNECTION_ERRORS as exc:
+        # Only an outage: any other refusal (an unknown setting in the URL) is not one, and
+        # its callers say so (the outbox's listener logs it rather than waiting quietly).
         raise translate(exc) from exc
     await _init_connection(conn)
     return conn
