@@ -171,6 +171,8 @@ def create_mailer(settings: Settings) -> Mailer:
             starttls=settings.smtp_starttls,
             timeout=settings.outbox_send_timeout,
             max_workers=settings.outbox_concurrency,
+            max_messages=settings.smtp_max_messages_per_connection,
+            max_session_time=settings.smtp_max_session_time,
         )
     return LogMailer()
 
@@ -427,6 +429,15 @@ class _Deadline:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
+    def detach(self) -> bool:
+        """Let the socket outlive this send (a connection kept for the next one): after this
+        `expire` leaves it alone. False if the deadline already expired (the socket is shut)."""
+        with self._lock:
+            if self._expired:
+                return False
+            self._sock = None
+            return True
+
 
 class _DeadlineSMTP(smtplib.SMTP):
     """smtplib.SMTP bounded by a `_Deadline` instead of a timeout per socket operation: before
@@ -439,6 +450,11 @@ class _DeadlineSMTP(smtplib.SMTP):
         # No host: `connect` is called later. The timeout is for the connect; the thread may
         # start late, so it is what is left, not the whole.
         super().__init__(timeout=deadline.left())
+
+    def rebind(self, deadline: _Deadline) -> None:
+        """Serve the next send, under its own deadline (a connection reused)."""
+        self._deadline = deadline
+        self._registered = None
 
     def _bound(self) -> None:
         sock = self.sock
@@ -458,11 +474,26 @@ class _DeadlineSMTP(smtplib.SMTP):
         return super().getreply()
 
 
+@dataclass
+class _Session:
+    """An open, logged-in SMTP connection between sends."""
+
+    smtp: _DeadlineSMTP
+    opened: float
+    messages: int = 0
+
+
 class SmtpMailer:
     """Any SMTP relay, through stdlib smtplib in worker threads. At-least-once (see module).
 
     `timeout` bounds the whole send (connect, TLS, login, the message), not each step: at the
     deadline the socket is shut down, so a send reported as "retry" can no longer deliver.
+
+    A connection carries many messages: after a send it is kept (up to `max_messages` per
+    connection and `max_session_time` seconds) and the next send starts with RSET on it, under
+    that send's own deadline. A kept connection the relay has closed fails at RSET, before any
+    of the message is sent, and the send goes on over a new one; a connection that fails during
+    a message is dropped, and only that message may reach the relay twice.
     """
 
     def __init__(
@@ -475,7 +506,14 @@ class SmtpMailer:
         starttls: bool = False,
         timeout: float = 10.0,
         max_workers: int = 4,
+        max_messages: int = 100,
+        max_session_time: float = 300.0,
     ) -> None:
+        self.max_messages = max_messages
+        self.max_session_time = max_session_time
+        self._idle: list[_Session] = []
+        self._idle_lock = threading.Lock()
+        self.connections = 0  # opened so far (for tests and the log)
         self.host = host
         self.port = port
         self.username = username
@@ -535,6 +573,45 @@ class SmtpMailer:
         return SendResult.sent(str(mime["Message-ID"]))
 
     def _send_sync(self, mime: EmailMessage, deadline: _Deadline) -> None:
+        session = self._reuse(deadline)
+        if session is None:
+            session = self._open(deadline)
+        try:
+            session.smtp.send_message(mime)
+        except BaseException:
+            session.smtp.close()
+            raise
+        session.messages += 1
+        # The relay has the message: whatever happens to the connection now, it was sent (a
+        # failure here reported as "retry" would deliver a second copy).
+        fresh = time.monotonic() - session.opened < self.max_session_time
+        if session.messages < self.max_messages and fresh and deadline.detach():
+            with self._idle_lock:
+                self._idle.append(session)
+            return
+        _goodbye(session.smtp)
+
+    def _reuse(self, deadline: _Deadline) -> _Session | None:
+        """A kept connection, reset for a new message (RSET), or None."""
+        while True:
+            with self._idle_lock:
+                session = self._idle.pop() if self._idle else None
+            if session is None:
+                return None
+            if time.monotonic() - session.opened >= self.max_session_time:
+                _goodbye(session.smtp)
+                continue
+            session.smtp.rebind(deadline)
+            try:
+                session.smtp.rset()
+            except (smtplib.SMTPException, OSError):
+                # Closed by the relay while idle (or broken): nothing of this message went.
+                session.smtp.close()
+                deadline.left()  # past the deadline: a TimeoutError, no new connection
+                continue
+            return session
+
+    def _open(self, deadline: _Deadline) -> _Session:
         smtp = _DeadlineSMTP(deadline)
         try:
             smtp.connect(self.host, self.port)
@@ -542,16 +619,26 @@ class SmtpMailer:
                 smtp.starttls(context=ssl.create_default_context())
             if self.username:
                 smtp.login(self.username, self.password or "")
-            smtp.send_message(mime)
-            # The relay has the message: whatever happens to the goodbye, it was sent (a
-            # failure here reported as "retry" would deliver a second copy).
-            with contextlib.suppress(smtplib.SMTPException, OSError):
-                smtp.quit()
-        finally:
+        except BaseException:
             smtp.close()
+            raise
+        self.connections += 1
+        return _Session(smtp, time.monotonic())
 
     async def aclose(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for session in idle:
+            # A bounded goodbye: the loop must not wait long on a relay that stopped answering.
+            session.smtp.rebind(_Deadline(min(1.0, self.timeout)))
+            _goodbye(session.smtp)
+
+
+def _goodbye(smtp: smtplib.SMTP) -> None:
+    with contextlib.suppress(smtplib.SMTPException, OSError, TimeoutError):
+        smtp.quit()
+    smtp.close()
 
 
 def _ignore_result(future: asyncio.Future[None]) -> None:
