@@ -787,11 +787,21 @@ async def cmd_outbox_dead(args: argparse.Namespace, settings: Settings) -> int:
     if not rows:
         print("no dead emails")
         return EXIT_OK
+    # BATCH: the batch the email was last sent in (EMAIL_BATCH_SIZE > 1), "-" if none.
     table = [
-        [r.id, r.job, _when(r.slot), r.recipient, r.attempts, (r.last_error or "")[:60]]
+        [
+            r.id,
+            r.job,
+            _when(r.slot),
+            r.recipient,
+            r.attempts,
+            "-" if r.batch_id is None else r.batch_id,
+            (r.last_error or "")[:60],
+        ]
         for r in rows
     ]
-    print(_table(["ID", "JOB", "SLOT", "RECIPIENT", "ATTEMPTS", "LAST ERROR"], table))
+    headers = ["ID", "JOB", "SLOT", "RECIPIENT", "ATTEMPTS", "BATCH", "LAST ERROR"]
+    print(_table(headers, table))
     return EXIT_OK
 
 

@@ -27,11 +27,12 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from email.message import EmailMessage
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import httpx
 
@@ -53,13 +54,21 @@ _NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
 # on the relay at once, but a name lookup under way cannot be interrupted (it sends nothing).
 SMTP_GRACE = 1.0
 
-# 408/429/5xx are transient by definition; Resend answers 409 while a request with the same
-# idempotency key is still being processed, which resolves itself. 401/403 say our key is
+# 408/429/5xx are transient by definition; Resend answers 409 `concurrent_idempotent_requests`
+# while a request with the same idempotency key is still being processed, which resolves
+# itself (but 409 `invalid_idempotent_request`, the key reused with another body, never does:
+# see `PERMANENT_409`). 401/403 say our key is
 # wrong (rotated, revoked), not the email: retried, so a bad key costs a delay until it is
 # fixed instead of killing the whole queue in one pass; the retry window still ends them.
 RETRYABLE_STATUS = frozenset({401, 403, 408, 409, 429})
 # SMTP's "authentication required / credentials invalid": ours to fix, as above.
 SMTP_AUTH_CODES = frozenset({530, 534, 535})
+# Resend's name for "this key was used with another body": the same request fails the same
+# way for as long as the provider keeps the key (24 h), so retrying it would only loop.
+PERMANENT_409 = frozenset({"invalid_idempotent_request"})
+
+# Resend's documented maximum for POST /emails/batch.
+MAX_BATCH = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +104,29 @@ class SendResult:
         return cls("failed", error=error)
 
 
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """The answer to one batch request: `request` for the request as a whole; when the
+    provider took it (`request.status == "sent"`), one result per member, by index."""
+
+    request: SendResult
+    members: tuple[SendResult, ...] = ()
+
+
 class Mailer(Protocol):
     async def send(self, message: Email) -> SendResult: ...
 
     async def aclose(self) -> None: ...
+
+
+class BatchMailer(Mailer, Protocol):
+    """A backend with a batch endpoint: one request, many emails, one idempotency key."""
+
+    async def send_batch(self, key: str, body: bytes, size: int) -> BatchResult: ...
+
+
+def supports_batches(mailer: Mailer) -> bool:
+    return callable(getattr(mailer, "send_batch", None))
 
 
 def max_send_time(mailer: Mailer, default: float) -> float:
@@ -143,6 +171,8 @@ def create_mailer(settings: Settings) -> Mailer:
             starttls=settings.smtp_starttls,
             timeout=settings.outbox_send_timeout,
             max_workers=settings.outbox_concurrency,
+            max_messages=settings.smtp_max_messages_per_connection,
+            max_session_time=settings.smtp_max_session_time,
         )
     return LogMailer()
 
@@ -150,15 +180,32 @@ def create_mailer(settings: Settings) -> Mailer:
 # --- http -----------------------------------------------------------------------------------
 
 
-def payload_bytes(message: Email) -> bytes:
-    """The request body: sorted keys, no whitespace, so every attempt sends the same bytes."""
-    document = {
+def _document(message: Email) -> dict[str, str]:
+    # No attachments, tags or scheduled_at: Resend's batch endpoint does not take them, and a
+    # single send carries the same fields so that one email means the same in both.
+    return {
         "from": message.sender,
         "to": message.recipient,
         "subject": message.subject,
         "text": message.body,
     }
+
+
+def _dumps(document: Any) -> bytes:
     return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def payload_bytes(message: Email) -> bytes:
+    """The request body: sorted keys, no whitespace, so every attempt sends the same bytes."""
+    return _dumps(_document(message))
+
+
+def batch_bytes(messages: Sequence[Email]) -> bytes:
+    """A batch request's body: the members' documents in order (a JSON array), encoded as
+    `payload_bytes` encodes one; frozen in the database before the first attempt."""
+    if not 0 < len(messages) <= MAX_BATCH:
+        raise ValueError(f"a batch holds 1 to {MAX_BATCH} emails, not {len(messages)}")
+    return _dumps([_document(m) for m in messages])
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
@@ -195,14 +242,66 @@ def classify_response(response: httpx.Response) -> SendResult:
         if isinstance(document, dict) and isinstance(document.get("id"), str):
             message_id = document["id"]
         return SendResult.sent(message_id)
+    return _refused(response)
+
+
+def _refused(response: httpx.Response) -> SendResult:
+    """A non-2xx answer: retry or failed."""
+    status = response.status_code
     error = f"HTTP {status}: {error_text(response.text)}"
+    if status == 409 and _error_name(response) in PERMANENT_409:
+        return SendResult.failed(error)
     if status in RETRYABLE_STATUS or status >= 500:
         return SendResult.retry(error, parse_retry_after(response.headers.get("retry-after")))
     return SendResult.failed(error)
 
 
+def _error_name(response: httpx.Response) -> str | None:
+    try:
+        document = response.json()
+    except ValueError:
+        return None
+    name = document.get("name") if isinstance(document, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def classify_batch(response: httpx.Response, size: int) -> BatchResult:
+    """A batch answer in permissive mode: `data` holds the created emails' ids in request
+    order, `errors` one `{index, message}` per member the provider refused; members not in
+    `errors` are the created ones, in order."""
+    if not 200 <= response.status_code < 300:
+        return BatchResult(_refused(response))
+    try:
+        document = response.json()
+    except ValueError:
+        document = None
+    data = document.get("data") if isinstance(document, dict) else None
+    errors = document.get("errors") if isinstance(document, dict) else None
+    refused: dict[int, str] = {}
+    for item in errors if isinstance(errors, list) else []:
+        index = item.get("index") if isinstance(item, dict) else None
+        if isinstance(index, int) and 0 <= index < size:
+            refused[index] = error_text(f"refused in its batch: {item.get('message')}")
+    ids = [d.get("id") if isinstance(d, dict) else None for d in data or []]
+    created = [i for i in range(size) if i not in refused]
+    if len(ids) != len(created):
+        # The provider took the request but its answer does not say which id is whose: the
+        # emails are sent (asking again with the key would get the same answer), ids unknown.
+        log.warning("batch answer with %d ids for %d created emails", len(ids), len(created))
+        ids = [None] * len(created)
+    by_index = dict(zip(created, ids, strict=True))
+    members = tuple(
+        SendResult.failed(refused[i])
+        if i in refused
+        else SendResult.sent(by_index[i] if isinstance(by_index[i], str) else None)
+        for i in range(size)
+    )
+    return BatchResult(SendResult.sent(None), members)
+
+
 class HttpMailer:
-    """A Resend-compatible API: `POST {api_url}/emails` with an `Idempotency-Key`."""
+    """A Resend-compatible API: `POST {api_url}/emails` with an `Idempotency-Key`, and
+    `POST {api_url}/emails/batch` (up to 100 emails, one key for the whole batch)."""
 
     def __init__(
         self,
@@ -214,6 +313,7 @@ class HttpMailer:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.url = api_url.rstrip("/") + "/emails"
+        self.batch_url = self.url + "/batch"
         self.timeout = timeout
         # The asyncio timeout in `send` bounds the whole request.
         self.max_send_time = timeout
@@ -243,6 +343,21 @@ class HttpMailer:
         except httpx.TransportError as exc:
             return SendResult.retry(error_text(f"connection error: {type(exc).__name__}: {exc}"))
         return classify_response(response)
+
+    async def send_batch(self, key: str, body: bytes, size: int) -> BatchResult:
+        """One batch request with its frozen `body` of `size` emails. Permissive validation:
+        Resend's default (strict) refuses the whole batch for one bad email, permissive sends
+        the valid ones and answers an error per refused index."""
+        headers = {"Idempotency-Key": key, "x-batch-validation": "permissive"}
+        try:
+            async with asyncio.timeout(self.timeout):
+                response = await self._client.post(self.batch_url, content=body, headers=headers)
+        except (TimeoutError, httpx.TimeoutException):
+            return BatchResult(SendResult.retry(f"timed out after {self.timeout:g}s"))
+        except httpx.TransportError as exc:
+            error = error_text(f"connection error: {type(exc).__name__}: {exc}")
+            return BatchResult(SendResult.retry(error))
+        return classify_batch(response, size)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -314,6 +429,15 @@ class _Deadline:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
+    def detach(self) -> bool:
+        """Let the socket outlive this send (a connection kept for the next one): after this
+        `expire` leaves it alone. False if the deadline already expired (the socket is shut)."""
+        with self._lock:
+            if self._expired:
+                return False
+            self._sock = None
+            return True
+
 
 class _DeadlineSMTP(smtplib.SMTP):
     """smtplib.SMTP bounded by a `_Deadline` instead of a timeout per socket operation: before
@@ -326,6 +450,11 @@ class _DeadlineSMTP(smtplib.SMTP):
         # No host: `connect` is called later. The timeout is for the connect; the thread may
         # start late, so it is what is left, not the whole.
         super().__init__(timeout=deadline.left())
+
+    def rebind(self, deadline: _Deadline) -> None:
+        """Serve the next send, under its own deadline (a connection reused)."""
+        self._deadline = deadline
+        self._registered = None
 
     def _bound(self) -> None:
         sock = self.sock
@@ -345,11 +474,26 @@ class _DeadlineSMTP(smtplib.SMTP):
         return super().getreply()
 
 
+@dataclass
+class _Session:
+    """An open, logged-in SMTP connection between sends."""
+
+    smtp: _DeadlineSMTP
+    opened: float
+    messages: int = 0
+
+
 class SmtpMailer:
     """Any SMTP relay, through stdlib smtplib in worker threads. At-least-once (see module).
 
     `timeout` bounds the whole send (connect, TLS, login, the message), not each step: at the
     deadline the socket is shut down, so a send reported as "retry" can no longer deliver.
+
+    A connection carries many messages: after a send it is kept (up to `max_messages` per
+    connection and `max_session_time` seconds) and the next send starts with RSET on it, under
+    that send's own deadline. A kept connection the relay has closed fails at RSET, before any
+    of the message is sent, and the send goes on over a new one; a connection that fails during
+    a message is dropped, and only that message may reach the relay twice.
     """
 
     def __init__(
@@ -362,7 +506,14 @@ class SmtpMailer:
         starttls: bool = False,
         timeout: float = 10.0,
         max_workers: int = 4,
+        max_messages: int = 100,
+        max_session_time: float = 300.0,
     ) -> None:
+        self.max_messages = max_messages
+        self.max_session_time = max_session_time
+        self._idle: list[_Session] = []
+        self._idle_lock = threading.Lock()
+        self.connections = 0  # opened so far (for tests and the log)
         self.host = host
         self.port = port
         self.username = username
@@ -422,6 +573,45 @@ class SmtpMailer:
         return SendResult.sent(str(mime["Message-ID"]))
 
     def _send_sync(self, mime: EmailMessage, deadline: _Deadline) -> None:
+        session = self._reuse(deadline)
+        if session is None:
+            session = self._open(deadline)
+        try:
+            session.smtp.send_message(mime)
+        except BaseException:
+            session.smtp.close()
+            raise
+        session.messages += 1
+        # The relay has the message: whatever happens to the connection now, it was sent (a
+        # failure here reported as "retry" would deliver a second copy).
+        fresh = time.monotonic() - session.opened < self.max_session_time
+        if session.messages < self.max_messages and fresh and deadline.detach():
+            with self._idle_lock:
+                self._idle.append(session)
+            return
+        _goodbye(session.smtp)
+
+    def _reuse(self, deadline: _Deadline) -> _Session | None:
+        """A kept connection, reset for a new message (RSET), or None."""
+        while True:
+            with self._idle_lock:
+                session = self._idle.pop() if self._idle else None
+            if session is None:
+                return None
+            if time.monotonic() - session.opened >= self.max_session_time:
+                _goodbye(session.smtp)
+                continue
+            session.smtp.rebind(deadline)
+            try:
+                session.smtp.rset()
+            except (smtplib.SMTPException, OSError):
+                # Closed by the relay while idle (or broken): nothing of this message went.
+                session.smtp.close()
+                deadline.left()  # past the deadline: a TimeoutError, no new connection
+                continue
+            return session
+
+    def _open(self, deadline: _Deadline) -> _Session:
         smtp = _DeadlineSMTP(deadline)
         try:
             smtp.connect(self.host, self.port)
@@ -429,16 +619,26 @@ class SmtpMailer:
                 smtp.starttls(context=ssl.create_default_context())
             if self.username:
                 smtp.login(self.username, self.password or "")
-            smtp.send_message(mime)
-            # The relay has the message: whatever happens to the goodbye, it was sent (a
-            # failure here reported as "retry" would deliver a second copy).
-            with contextlib.suppress(smtplib.SMTPException, OSError):
-                smtp.quit()
-        finally:
+        except BaseException:
             smtp.close()
+            raise
+        self.connections += 1
+        return _Session(smtp, time.monotonic())
 
     async def aclose(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for session in idle:
+            # A bounded goodbye: the loop must not wait long on a relay that stopped answering.
+            session.smtp.rebind(_Deadline(min(1.0, self.timeout)))
+            _goodbye(session.smtp)
+
+
+def _goodbye(smtp: smtplib.SMTP) -> None:
+    with contextlib.suppress(smtplib.SMTPException, OSError, TimeoutError):
+        smtp.quit()
+    smtp.close()
 
 
 def _ignore_result(future: asyncio.Future[None]) -> None:

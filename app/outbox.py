@@ -18,10 +18,16 @@ takes its emails back with everything else. Senders (one loop per instance, plus
 
 Every time that matters (leases, due times, key age) is the database's clock. Delivery is
 at-least-once towards the provider, and exactly-once where the provider honours the key.
+
+With EMAIL_BATCH_SIZE above 1 the unit of delivery is a **batch** (`<DB_SCHEMA>.email_batch`):
+`form_batches` groups due rows into batches and freezes each one's members, request bytes and
+idempotency key in the same transaction that claims them; `claim_batches` takes batches that
+are due again; `mark_batch` writes the batch's outcome and one outcome per member at once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
@@ -36,6 +42,7 @@ from app import db
 from app.errors import CONNECTION_ERRORS, DatabaseUnavailable
 from app.mailer import (
     Email,
+    batch_bytes,
     error_text,
     pg_text,
 )
@@ -134,7 +141,7 @@ CLAIM_SQL = """
 WITH due AS (
     SELECT id
     FROM {schema}.email_outbox
-    WHERE status = 'pending' AND next_attempt_at <= now()
+    WHERE status = 'pending' AND next_attempt_at <= now() AND batch_id IS NULL
     ORDER BY next_attempt_at, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -371,7 +378,8 @@ class Tokens:
 
 
 async def take_tokens(conn: Conn, want: int, *, schema: str, rate: float) -> Tokens:
-    """Up to `want` sends under the global rate (per second, burst of one second's worth)."""
+    """Up to `want` requests under the global rate (per second, burst of one second's worth):
+    one per email, or one per batch with EMAIL_BATCH_SIZE above 1."""
     if rate <= 0:
         return Tokens(want, 0.0)
     burst = max(1.0, rate)
@@ -386,6 +394,311 @@ async def take_tokens(conn: Conn, want: int, *, schema: str, rate: float) -> Tok
 async def return_tokens(conn: Conn, count: int, *, schema: str, rate: float) -> None:
     if rate > 0 and count > 0:
         await conn.execute(qualify(RETURN_TOKENS_SQL, schema), count, max(1.0, rate))
+
+
+# --- batches --------------------------------------------------------------------------------
+
+# Due rows not in a batch yet, locked for the transaction that forms batches from them.
+FORM_SELECT_SQL = """
+SELECT id, job, slot, idempotency_key, sender, recipient, subject, body, created_at
+FROM {schema}.email_outbox
+WHERE status = 'pending' AND batch_id IS NULL AND next_attempt_at <= now()
+ORDER BY next_attempt_at, id
+LIMIT $1
+FOR UPDATE SKIP LOCKED
+"""
+
+# A new batch is born claimed (its first attempt is this sender's), frozen with its key and
+# bytes. Keys are distinct within one call (distinct members), so they name the new rows.
+FORM_INSERT_SQL = """
+INSERT INTO {schema}.email_batch
+    (idempotency_key, body, size, attempts, claim_token, locked_until, next_attempt_at)
+SELECT u.key, u.body, u.size, 1, $4,
+       clock_timestamp() + make_interval(secs => $5),
+       clock_timestamp() + make_interval(secs => $5)
+FROM unnest($1::text[], $2::bytea[], $3::int[]) AS u(key, body, size)
+RETURNING id, idempotency_key
+"""
+
+# Members point at their batch; their own due time follows the batch's (stats stay honest).
+FORM_MEMBERS_SQL = """
+UPDATE {schema}.email_outbox AS o
+SET batch_id = u.batch_id, batch_index = u.idx,
+    next_attempt_at = clock_timestamp() + make_interval(secs => $4)
+FROM unnest($1::bigint[], $2::bigint[], $3::int[]) AS u(id, batch_id, idx)
+WHERE o.id = u.id
+"""
+
+# Batches due again: a retry whose time came, or a lease that ended (the sender died, or was
+# cut off). As for rows, `attempts` counts claims.
+CLAIM_BATCHES_SQL = """
+WITH due AS (
+    SELECT id
+    FROM {schema}.email_batch
+    WHERE status = 'pending' AND next_attempt_at <= now()
+    ORDER BY next_attempt_at, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.email_batch AS b
+SET claim_token = $2,
+    locked_until = clock_timestamp() + make_interval(secs => $3),
+    next_attempt_at = clock_timestamp() + make_interval(secs => $3),
+    attempts = b.attempts + 1
+FROM due
+WHERE b.id = due.id
+RETURNING b.id, b.idempotency_key, b.body, b.size, b.attempts,
+          extract(epoch FROM now() - b.key_created_at)::float8 AS key_age
+"""
+
+# The batch's outcome and its members' in one statement, only while the claim is ours. A
+# request the provider answered makes the batch `done` and each member `sent` or `dead` on
+# its own (a member the provider refused in permissive mode); a retry that would fall after
+# max_attempts or the retry window makes the batch and its members dead, as for rows.
+MARK_BATCH_SQL = """
+WITH n AS (
+    SELECT clock_timestamp() AS ts, clock_timestamp() + make_interval(secs => $5) AS due
+),
+b AS (
+    UPDATE {schema}.email_batch AS b
+    SET status = CASE
+            WHEN $3 = 'done' THEN 'done'
+            WHEN $3 = 'dead' THEN 'dead'
+            WHEN b.attempts >= $4 THEN 'dead'
+            WHEN n.due > b.key_created_at + make_interval(secs => $6) THEN 'dead'
+            ELSE 'pending' END,
+        last_error = CASE
+            WHEN $3 = 'done' THEN b.last_error
+            WHEN $3 = 'dead' THEN $7
+            WHEN b.attempts >= $4 THEN $7 || ' (gave up after ' || b.attempts || ' attempts)'
+            WHEN n.due > b.key_created_at + make_interval(secs => $6)
+                THEN $7 || ' (retry window ended)'
+            ELSE $7 END,
+        next_attempt_at = CASE WHEN $3 = 'retry' THEN n.due ELSE b.next_attempt_at END,
+        finished_at = CASE
+            WHEN $3 = 'retry' AND b.attempts < $4
+                 AND n.due <= b.key_created_at + make_interval(secs => $6) THEN NULL
+            ELSE n.ts END,
+        locked_until = NULL,
+        claim_token = NULL
+    FROM n
+    WHERE b.id = $1 AND b.claim_token = $2 AND b.status = 'pending'
+    RETURNING b.id, b.status, b.attempts, b.last_error, b.next_attempt_at
+),
+m AS (
+    UPDATE {schema}.email_outbox AS o
+    SET status = CASE
+            WHEN b.status = 'done' THEN CASE WHEN r.outcome = 'sent' THEN 'sent' ELSE 'dead' END
+            WHEN b.status = 'dead' THEN 'dead'
+            ELSE 'pending' END,
+        sent_at = CASE WHEN b.status = 'done' AND r.outcome = 'sent' THEN clock_timestamp() END,
+        provider_message_id = CASE WHEN b.status = 'done' AND r.outcome = 'sent'
+                                   THEN r.message_id ELSE o.provider_message_id END,
+        last_error = CASE WHEN b.status = 'done' THEN coalesce(r.error, o.last_error)
+                          ELSE b.last_error END,
+        attempts = b.attempts,
+        next_attempt_at = b.next_attempt_at,
+        locked_until = NULL,
+        claim_token = NULL
+    FROM b, unnest($8::int[], $9::text[], $10::text[], $11::text[])
+            AS r(idx, outcome, message_id, error)
+    WHERE o.batch_id = b.id AND o.batch_index = r.idx AND o.status = 'pending'
+    RETURNING o.id, o.status
+)
+SELECT b.status AS batch_status, m.id, m.status
+FROM b LEFT JOIN m ON true
+"""
+
+# Give batches back before their lease ends; membership and bytes stay frozen.
+RELEASE_BATCHES_SQL = """
+UPDATE {schema}.email_batch
+SET next_attempt_at = now(), locked_until = NULL, claim_token = NULL,
+    attempts = attempts - CASE WHEN $3 THEN 0 ELSE 1 END
+WHERE id = ANY($1::bigint[]) AND claim_token = $2 AND status = 'pending'
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One claimed batch: what every attempt sends (key, bytes) and how many emails."""
+
+    id: int
+    key: str
+    body: bytes
+    size: int
+    attempts: int  # including this claim
+    key_age: float  # seconds, by the database's clock at claim
+    token: uuid.UUID
+    deadline: float  # local, conservative end of the lease (see Claim)
+
+
+def batch_key(member_keys: Sequence[str]) -> str:
+    """The batch's idempotency key, from its members' own keys (in body order): the same
+    members always make the same key, and distinct member sets distinct keys."""
+    digest = hashlib.sha256("\n".join(member_keys).encode()).hexdigest()
+    return f"batch-{digest}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    key: str
+    body: bytes
+    ids: list[int]
+
+
+def plan_batches(records: Sequence[Any], size: int) -> list[_Planned]:
+    """Group rows into batches: by job and slot (one digest's emails travel together), each
+    group's members ordered by their own keys, cut into `size`-long batches."""
+    groups: dict[tuple[str, datetime | None], list[Any]] = {}
+    for r in records:
+        groups.setdefault((r["job"], r["slot"]), []).append(r)
+    planned = []
+    for members in groups.values():
+        members.sort(key=lambda r: r["idempotency_key"])
+        for start in range(0, len(members), size):
+            chunk = members[start : start + size]
+            emails = [
+                Email(
+                    idempotency_key=r["idempotency_key"],
+                    sender=r["sender"],
+                    recipient=r["recipient"],
+                    subject=r["subject"],
+                    body=r["body"],
+                    created_at=r["created_at"],
+                )
+                for r in chunk
+            ]
+            planned.append(
+                _Planned(
+                    key=batch_key([e.idempotency_key for e in emails]),
+                    body=batch_bytes(emails),
+                    ids=[r["id"] for r in chunk],
+                )
+            )
+    return planned
+
+
+async def form_batches(
+    conn: Conn, *, schema: str, batches: int, size: int, lease: float
+) -> list[Batch]:
+    """Form up to `batches` new batches of up to `size` due rows each, claimed for `lease`
+    seconds. Membership, bytes and key are committed before anything is sent."""
+    token = uuid.uuid4()
+    started = time.monotonic()
+    async with conn.transaction():
+        records = await conn.fetch(qualify(FORM_SELECT_SQL, schema), batches * size)
+        planned = plan_batches(records, size)[:batches]
+        if not planned:
+            return []
+        inserted = await conn.fetch(
+            qualify(FORM_INSERT_SQL, schema),
+            [p.key for p in planned],
+            [p.body for p in planned],
+            [len(p.ids) for p in planned],
+            token,
+            lease,
+        )
+        ids = {r["idempotency_key"]: r["id"] for r in inserted}
+        members = [(row_id, ids[p.key], i) for p in planned for i, row_id in enumerate(p.ids)]
+        await conn.execute(
+            qualify(FORM_MEMBERS_SQL, schema),
+            [m[0] for m in members],
+            [m[1] for m in members],
+            [m[2] for m in members],
+            lease,
+        )
+    return [
+        Batch(ids[p.key], p.key, p.body, len(p.ids), 1, 0.0, token, started + lease)
+        for p in planned
+    ]
+
+
+async def claim_batches(conn: Conn, *, schema: str, limit: int, lease: float) -> list[Batch]:
+    """Claim up to `limit` batches that are due again, for `lease` seconds."""
+    token = uuid.uuid4()
+    started = time.monotonic()
+    records = await conn.fetch(qualify(CLAIM_BATCHES_SQL, schema), limit, token, lease)
+    found = [
+        Batch(
+            r["id"],
+            r["idempotency_key"],
+            bytes(r["body"]),
+            r["size"],
+            r["attempts"],
+            r["key_age"],
+            token,
+            started + lease,
+        )
+        for r in records
+    ]
+    found.sort(key=lambda b: b.id)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class BatchMark:
+    """What to write for one claimed batch: `done` (answered; `members` has one Mark per
+    index, sent or dead), or `retry`/`dead` for the whole batch."""
+
+    outcome: Literal["done", "retry", "dead"]
+    members: tuple[Mark, ...] = ()
+    delay: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchMarked:
+    status: str  # the batch's new status
+    rows: dict[int, str]  # row id -> new status
+
+
+async def mark_batch(
+    conn: Conn,
+    batch: Batch,
+    outcome: BatchMark,
+    *,
+    schema: str,
+    max_attempts: int,
+    retry_window: float,
+) -> BatchMarked | None:
+    """Write a batch's outcome; None if the claim was no longer ours."""
+    if outcome.outcome == "done":
+        marks = list(outcome.members)
+        if len(marks) != batch.size:
+            raise ValueError(f"{len(marks)} outcomes for a batch of {batch.size}")
+    else:
+        marks = [Mark("retry" if outcome.outcome == "retry" else "dead")] * batch.size
+    error = error_text(outcome.error, MAX_ERROR) if outcome.error is not None else None
+    records = await conn.fetch(
+        qualify(MARK_BATCH_SQL, schema),
+        batch.id,
+        batch.token,
+        outcome.outcome,
+        max_attempts,
+        retry_delay(outcome.delay, retry_window),
+        retry_window,
+        error or "batch failed",
+        list(range(batch.size)),
+        [m.outcome for m in marks],
+        [None if m.message_id is None else pg_text(m.message_id) for m in marks],
+        [None if m.error is None else error_text(m.error, MAX_ERROR) for m in marks],
+    )
+    if not records:
+        return None
+    rows = {r["id"]: r["status"] for r in records if r["id"] is not None}
+    return BatchMarked(records[0]["batch_status"], rows)
+
+
+async def release_batches(
+    conn: Conn, batches: Sequence[Batch], *, schema: str, attempted: bool = False
+) -> int:
+    """Make claimed batches due again now, unchanged; `attempted` keeps the claim counted."""
+    total = 0
+    for token in {b.token for b in batches}:
+        ids = [b.id for b in batches if b.token == token]
+        status = await conn.execute(qualify(RELEASE_BATCHES_SQL, schema), ids, token, attempted)
+        total += int(status.split()[-1])
+    return total
 
 
 # --- operations: dead rows, requeue, stats, retention --------------------------------------
@@ -404,10 +717,15 @@ class DeadRow:
     idempotency_key: str
     key_created_at: datetime
     created_at: datetime
+    # The batch the email was last sent in (EMAIL_BATCH_SIZE above 1), and that batch's key.
+    batch_id: int | None = None
+    batch_key: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
             "id": self.id,
+            "batch_id": self.batch_id,
+            "batch_key": self.batch_key,
             "job": self.job,
             "slot": self.slot.isoformat() if self.slot else None,
             "user_id": self.user_id,
@@ -422,11 +740,13 @@ class DeadRow:
 
 
 DEAD_SQL = """
-SELECT id, job, slot, user_id, recipient, subject, attempts, last_error, idempotency_key,
-       key_created_at, created_at
-FROM {schema}.email_outbox
-WHERE status = 'dead'
-ORDER BY id
+SELECT o.id, o.job, o.slot, o.user_id, o.recipient, o.subject, o.attempts, o.last_error,
+       o.idempotency_key, o.key_created_at, o.created_at, o.batch_id,
+       b.idempotency_key AS batch_key
+FROM {schema}.email_outbox AS o
+LEFT JOIN {schema}.email_batch AS b ON b.id = o.batch_id
+WHERE o.status = 'dead'
+ORDER BY o.id
 LIMIT $1
 """
 
@@ -455,7 +775,9 @@ class Requeued:
 # A key older than the retry window may be past the provider's idempotency window: sending it
 # again could be treated as new anyway, so the row gets a fresh key (and a fresh window), and
 # the caller is told. A younger key is kept, so a delivery that did go through is still
-# recognised by the provider; its window keeps running from when the key was made.
+# recognised by the provider; its window keeps running from when the key was made. A row
+# that died in a batch leaves it and is formed into a new batch (the old one stays, for the
+# record, until its last row is pruned).
 REQUEUE_SQL = """
 UPDATE {schema}.email_outbox AS o
 SET status = 'pending',
@@ -463,6 +785,8 @@ SET status = 'pending',
     next_attempt_at = now(),
     locked_until = NULL,
     claim_token = NULL,
+    batch_id = NULL,
+    batch_index = NULL,
     idempotency_key = CASE WHEN d.fresh THEN gen_random_uuid()::text ELSE o.idempotency_key END,
     key_created_at = CASE WHEN d.fresh THEN now() ELSE o.key_created_at END
 FROM (
@@ -536,11 +860,27 @@ WHERE id IN (
 """
 
 
+# Finished batches go once none of their rows is left (a dead row keeps its batch, so `outbox
+# dead` can still say which batch it was in).
+PRUNE_BATCHES_SQL = """
+DELETE FROM {schema}.email_batch
+WHERE id IN (
+    SELECT b.id FROM {schema}.email_batch AS b
+    WHERE b.status <> 'pending' AND b.finished_at < now() - make_interval(secs => $1)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.email_outbox AS o WHERE o.batch_id = b.id)
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+
 async def prune_chunk(
     conn: Conn, retention_days: float, *, schema: str, chunk: int = PRUNE_CHUNK
 ) -> int:
-    """Delete up to `chunk` sent rows older than the retention; returns how many."""
+    """Delete up to `chunk` sent rows older than the retention (and as many finished batches
+    left without rows); returns how many rows."""
     status = await conn.execute(qualify(PRUNE_SQL, schema), retention_days * 86400.0, chunk)
+    await conn.execute(qualify(PRUNE_BATCHES_SQL, schema), retention_days * 86400.0, chunk)
     return int(status.split()[-1])
 
 

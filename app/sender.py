@@ -1,6 +1,11 @@
 """The outbox's delivery loop: one `Sender` per service instance (or per `python -m app
 outbox drain` process) claims due rows, sends them with bounded concurrency outside any
 transaction, and marks each outcome (app/outbox.py holds the queue's operations).
+
+With EMAIL_BATCH_SIZE above 1 (and a backend with a batch endpoint) the same loop works in
+batches: it claims batches that are due again and forms new ones (frozen in the database
+before their first attempt), sends each as one request and writes one outcome per member.
+OUTBOX_CONCURRENCY and OUTBOX_RATE_LIMIT then count requests (batches).
 """
 
 from __future__ import annotations
@@ -8,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import signal
 import time
@@ -21,18 +27,33 @@ import asyncpg
 from app import db
 from app.db import Conn
 from app.errors import DATABASE_ERRORS, DatabaseUnavailable, describe
-from app.mailer import Mailer, SendResult, create_mailer, error_text, max_send_time
+from app.mailer import (
+    BatchMailer,
+    BatchResult,
+    Mailer,
+    SendResult,
+    create_mailer,
+    error_text,
+    max_send_time,
+    supports_batches,
+)
 from app.outbox import (
     PRUNE_CHUNK,
     PRUNE_INTERVAL,
+    Batch,
+    BatchMark,
     Claim,
     Mark,
     Row,
     backoff_delay,
     claim,
+    claim_batches,
+    form_batches,
+    mark_batch,
     mark_many,
     prune_chunk,
     release,
+    release_batches,
     return_tokens,
     take_tokens,
     unavailable,
@@ -93,6 +114,20 @@ class Sender:
         self._outcomes: list[_Pending] = []
         self._writer: asyncio.Task[None] | None = None
         self._prune_conn: Conn | None = None
+        # Batches only with a backend that has a batch endpoint (http); others send one by one.
+        self._batch_mailer: BatchMailer | None = None
+        self.batch_size = 1
+        if settings.email_batch_size > 1:
+            if supports_batches(mailer):
+                self._batch_mailer = mailer  # type: ignore[assignment]  # checked just above
+                self.batch_size = settings.email_batch_size
+            else:
+                log.warning(
+                    "EMAIL_BATCH_SIZE=%d: this backend (%s) has no batch endpoint; sending "
+                    "one email per request",
+                    settings.email_batch_size,
+                    type(mailer).__name__,
+                )
         # What one send can really take with this backend (SMTP: the timeout and a grace).
         self.max_send_time = max_send_time(mailer, settings.outbox_send_timeout)
         if settings.outbox_lease <= self.max_send_time:
@@ -116,6 +151,12 @@ class Sender:
         """Claim one batch (as the rate limit allows), send it, mark it; returns rows handled."""
         if self._stopping:
             return 0
+        if self._batch_mailer is not None:
+            found = await self._claim_batches(self._batches_per_claim(), wait_for_tokens=True)
+            if not found:
+                return 0
+            await asyncio.gather(*(self._deliver_batch(b) for b in found))
+            return sum(b.size for b in found)
         batch = await self._claim(self.settings.outbox_batch_size, wait_for_tokens=True)
         if batch is None or not batch.rows:
             return 0
@@ -207,7 +248,7 @@ class Sender:
             self._held -= 1
             self._changed.set()
 
-    def _lease_allows_send(self, batch: Claim) -> bool:
+    def _lease_allows_send(self, batch: Claim | Batch) -> bool:
         # A send started with less lease left than it may take could still be running when
         # another sender takes the row over: give it back instead.
         needed = min(self.max_send_time, self.settings.outbox_lease / 2)
@@ -386,6 +427,204 @@ class Sender:
                 describe(exc),
             )
 
+    # -- batches (EMAIL_BATCH_SIZE > 1) ------------------------------------------------------
+
+    def _batches_per_claim(self) -> int:
+        # OUTBOX_BATCH_SIZE stays the claim's size in rows, rounded up to whole batches.
+        return max(1, math.ceil(self.settings.outbox_batch_size / self.batch_size))
+
+    async def _claim_batches(self, want: int, *, wait_for_tokens: bool) -> list[Batch] | None:
+        """Up to `want` batches, one rate-limit token each: first batches due again (their
+        members and bytes are already frozen), then new ones formed from due rows. None when
+        the rate limit has nothing for us yet."""
+        s = self.settings
+        while True:
+            async with self._connection() as conn:
+                rate = s.outbox_rate_limit
+                tokens = await take_tokens(conn, want, schema=s.db_schema, rate=rate)
+                if tokens.granted:
+                    try:
+                        found = await claim_batches(
+                            conn, schema=s.db_schema, limit=tokens.granted, lease=s.outbox_lease
+                        )
+                        if len(found) < tokens.granted:
+                            found += await form_batches(
+                                conn,
+                                schema=s.db_schema,
+                                batches=tokens.granted - len(found),
+                                size=self.batch_size,
+                                lease=s.outbox_lease,
+                            )
+                    except BaseException:
+                        await _quietly(
+                            return_tokens(conn, tokens.granted, schema=s.db_schema, rate=rate)
+                        )
+                        raise
+                    await return_tokens(
+                        conn, tokens.granted - len(found), schema=s.db_schema, rate=rate
+                    )
+                    self._held += len(found)
+                    return found
+            if not wait_for_tokens or self._stopping:
+                self._rate_wait = tokens.wait
+                return None
+            await asyncio.sleep(min(tokens.wait, s.outbox_poll_interval))
+
+    async def _deliver_batch(self, batch: Batch) -> None:
+        """Send one claimed batch and write its outcome; gives it back if it was not sent
+        (unchanged: the next attempt sends the same members, bytes and key)."""
+        started = False
+        finished = False
+        outcome: BatchMark | None = None
+        try:
+            async with self._slots:
+                if self._stopping or not self._lease_allows_send(batch):
+                    return
+                started = True
+                outcome = await self._attempt_batch(batch)
+            await self._finish_batch(batch, outcome)
+            finished = True
+        except Exception:
+            if outcome is None:
+                raise
+            finished = True
+            self.stats.unwritten += batch.size
+            log.exception(
+                "could not record outbox batch %s as %s; it comes back after its lease",
+                batch.id,
+                outcome.outcome,
+                extra={"event": "outbox_unwritten", "batch": batch.id, "instance": self.instance},
+            )
+        finally:
+            if not finished:
+                if outcome is None:
+                    await self._give_back_batch(batch, attempted=started)
+                else:
+                    log.warning(
+                        "outbox batch %s: outcome %s not recorded (stopped); it comes back "
+                        "after its lease",
+                        batch.id,
+                        outcome.outcome,
+                    )
+            self._held -= 1
+            self._changed.set()
+
+    async def _attempt_batch(self, batch: Batch) -> BatchMark:
+        s = self.settings
+        assert self._batch_mailer is not None
+        if batch.key_age >= s.outbox_retry_window:
+            return BatchMark(
+                "dead",
+                error=f"retry window ended before attempt {batch.attempts}: the batch key is "
+                f"{batch.key_age:.0f}s old, past OUTBOX_RETRY_WINDOW ({s.outbox_retry_window:g}s)",
+            )
+        if batch.attempts > s.outbox_max_attempts:
+            return BatchMark(
+                "dead", error=f"batch claimed {batch.attempts - 1} times without an outcome"
+            )
+        try:
+            result = await self._batch_mailer.send_batch(batch.key, batch.body, batch.size)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in a backend must not stop delivery of other batches
+            log.exception("mailer failed on outbox batch %s", batch.id)
+            error = error_text(f"mailer error: {type(exc).__name__}: {exc}")
+            result = BatchResult(SendResult.retry(error))
+        answer = result.request
+        if answer.status == "sent":
+            return BatchMark(
+                "done",
+                members=tuple(
+                    Mark("sent", message_id=m.message_id)
+                    if m.status == "sent"
+                    else Mark("dead", error=m.error or "refused by the provider")
+                    for m in result.members
+                ),
+            )
+        if answer.status == "failed":
+            return BatchMark("dead", error=answer.error or "permanent failure")
+        delay = backoff_delay(
+            batch.attempts,
+            base=s.outbox_backoff_base,
+            cap=s.outbox_backoff_max,
+            retry_after=answer.retry_after,
+            rng=self._rng,
+        )
+        return BatchMark("retry", delay=delay, error=answer.error or "retryable failure")
+
+    async def _finish_batch(self, batch: Batch, outcome: BatchMark) -> None:
+        """As `_finish`, for a batch: an outage is retried while the lease lasts; after that
+        the batch comes back on its own and is sent again, the same bytes under the same key."""
+        s = self.settings
+        while True:
+            try:
+                async with self._connection() as conn:
+                    marked = await mark_batch(
+                        conn,
+                        batch,
+                        outcome,
+                        schema=s.db_schema,
+                        max_attempts=s.outbox_max_attempts,
+                        retry_window=s.outbox_retry_window,
+                    )
+                break
+            except DATABASE_ERRORS as exc:
+                if time.monotonic() + s.outbox_poll_interval >= batch.deadline:
+                    log.warning(
+                        "could not record outbox batch %s as %s: %s; it is retried after its lease",
+                        batch.id,
+                        outcome.outcome,
+                        describe(exc),
+                    )
+                    return
+                await asyncio.sleep(min(1.0, s.outbox_poll_interval))
+        if marked is None:
+            self.stats.lost += batch.size
+            log.warning(
+                "outbox batch %s was taken over by another sender (lease ended mid-send); "
+                "its outcome %s is not recorded",
+                batch.id,
+                outcome.outcome,
+                extra={"event": "outbox_lost_claim", "batch": batch.id, "instance": self.instance},
+            )
+            return
+        statuses = list(marked.rows.values())
+        self.stats.sent += statuses.count("sent")
+        self.stats.dead += statuses.count("dead")
+        if marked.status == "pending":
+            self.stats.retried += batch.size
+            log.info(
+                "outbox batch %s (%d emails) retried in %.1fs: %s",
+                batch.id,
+                batch.size,
+                outcome.delay,
+                outcome.error,
+                extra={"event": "outbox_retry", "batch": batch.id, "attempts": batch.attempts},
+            )
+        elif statuses.count("dead"):
+            log.warning(
+                "outbox batch %s: %d of %d emails dead: %s",
+                batch.id,
+                statuses.count("dead"),
+                batch.size,
+                outcome.error or next((m.error for m in outcome.members if m.error), None),
+                extra={"event": "outbox_dead", "batch": batch.id, "attempts": batch.attempts},
+            )
+
+    async def _give_back_batch(self, batch: Batch, *, attempted: bool) -> None:
+        try:
+            async with self._connection() as conn:
+                if await release_batches(
+                    conn, [batch], schema=self.settings.db_schema, attempted=attempted
+                ):
+                    self.stats.released += batch.size
+        except DATABASE_ERRORS as exc:
+            log.warning(
+                "could not release outbox batch %s (%s); it comes back after its lease",
+                batch.id,
+                describe(exc),
+            )
+
     # -- the loop ----------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -415,12 +654,28 @@ class Sender:
                 self._wake.clear()
                 self._rate_wait = 0.0
                 try:
-                    batch = await self._claim(s.outbox_batch_size, wait_for_tokens=False)
+                    if self._batch_mailer is not None:
+                        found = await self._claim_batches(
+                            self._batches_per_claim(), wait_for_tokens=False
+                        )
+                    else:
+                        batch = await self._claim(s.outbox_batch_size, wait_for_tokens=False)
                 except DATABASE_ERRORS as exc:
                     self._report_db_trouble(exc)
                     await _wait_any(stop, within=s.outbox_poll_interval)
                     continue
                 self._report_db_ok()
+                if self._batch_mailer is not None:
+                    if found is None:  # rate limited
+                        await _wait_any(stop, within=min(self._rate_wait, s.outbox_poll_interval))
+                        continue
+                    for one in found:
+                        task = asyncio.create_task(self._deliver_batch(one))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    if not found:
+                        await _wait_any(stop, self._wake, within=s.outbox_poll_interval)
+                    continue
                 if batch is None:  # rate limited
                     await _wait_any(stop, within=min(self._rate_wait, s.outbox_poll_interval))
                     continue

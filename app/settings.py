@@ -107,10 +107,13 @@ class Settings(BaseSettings):
     outbox_retry_window: float = Field(default=23 * 3600.0, gt=0)
     outbox_backoff_base: float = Field(default=2.0, gt=0)
     outbox_backoff_max: float = Field(default=900.0, gt=0)
-    # Sends per second shared by every sender (0 = unlimited).
+    # Provider requests per second shared by every sender (0 = unlimited).
     outbox_rate_limit: float = Field(default=2.0, ge=0)
     outbox_retention_days: float = Field(default=7.0, gt=0)
     outbox_shutdown_timeout: float = Field(default=10.0, gt=0)
+    # Emails per provider request (POST /emails/batch; Resend takes up to 100). 1 sends one
+    # email per request. Only the http backend batches; the rate limit counts requests.
+    email_batch_size: int = Field(default=1, ge=1, le=100)
 
     email_backend: Literal["log", "http", "smtp"] = "log"
     email_from: str = "cronlock <digest@example.com>"
@@ -121,6 +124,10 @@ class Settings(BaseSettings):
     smtp_username: str | None = None
     smtp_password: SecretStr | None = None
     smtp_starttls: bool = False
+    # One SMTP connection carries many messages (RSET between them), up to this many and for
+    # at most this long; then it is closed and a new one opened.
+    smtp_max_messages_per_connection: int = Field(default=100, ge=1)
+    smtp_max_session_time: float = Field(default=300.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -8,6 +8,7 @@ import email.policy
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -380,3 +381,90 @@ async def test_backend_is_chosen_by_settings() -> None:
             await mailer.aclose()
     with pytest.raises(SettingsError, match="EMAIL_API_KEY"):
         create_mailer(make(email_backend="http"))
+
+
+class DroppingSink(Sink):
+    """Takes every message, but hangs up right after every `every`-th one, before its
+    answer: the message in flight has reached the relay, the client cannot know it."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__()
+        self.every = every
+        self.dropped: list[str] = []
+
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+        self.messages.append(envelope)
+        if self.every and len(self.messages) % self.every == 0:
+            self.dropped.append(_message_id(envelope))
+            server.transport.close()
+        return "250 Message accepted for delivery"
+
+
+def _message_id(envelope: Any) -> str:
+    return str(email.message_from_bytes(envelope.content)["Message-ID"])
+
+
+async def _send_all(mailer: SmtpMailer, emails: list[Email], *, tries: int = 1) -> list[str]:
+    """Send with OUTBOX_CONCURRENCY-like bounds (4 at once), retrying a retryable answer
+    like the outbox does; returns each email's final status."""
+    slots = asyncio.Semaphore(4)
+
+    async def one(message: Email) -> str:
+        async with slots:
+            for _ in range(tries):
+                result = await mailer.send(message)
+                if result.status != "retry":
+                    return result.status
+            return result.status
+
+    return await asyncio.gather(*(one(m) for m in emails))
+
+
+def _controller(sink: Sink) -> tuple[Controller, int]:
+    port = _free_port()
+    controller = Controller(sink, hostname="127.0.0.1", port=port)
+    controller.start()
+    return controller, port
+
+
+async def test_smtp_reuses_connections_for_many_messages() -> None:
+    """2,000 emails over a few connections (RSET between messages, at most 100 each), each
+    delivered once."""
+    sink = Sink()
+    controller, port = _controller(sink)
+    mailer = SmtpMailer("127.0.0.1", port, timeout=10, max_workers=4, max_messages=100)
+    emails = [an_email(f"k{i}", f"user{i}@example.com") for i in range(2000)]
+    try:
+        started = time.monotonic()
+        statuses = await _send_all(mailer, emails)
+        elapsed = time.monotonic() - started
+    finally:
+        await mailer.aclose()
+        controller.stop()
+    print(f"\n2000 emails over {mailer.connections} connections in {elapsed:.1f} s")
+    assert statuses == ["sent"] * 2000
+    ids = Counter(_message_id(m) for m in sink.messages)
+    assert len(ids) == 2000
+    assert max(ids.values()) == 1
+    assert 20 <= mailer.connections <= 20 + 4  # 100 per connection; a few part-used at the end
+
+
+async def test_smtp_a_dropped_connection_loses_nothing_and_repeats_only_the_message_in_flight() -> (
+    None
+):
+    sink = DroppingSink(every=150)
+    controller, port = _controller(sink)
+    mailer = SmtpMailer("127.0.0.1", port, timeout=10, max_workers=4, max_messages=100)
+    emails = [an_email(f"k{i}", f"user{i}@example.com") for i in range(600)]
+    try:
+        statuses = await _send_all(mailer, emails, tries=3)
+    finally:
+        await mailer.aclose()
+        controller.stop()
+    assert statuses == ["sent"] * 600
+    ids = Counter(_message_id(m) for m in sink.messages)
+    assert set(ids) == {message_id(e) for e in emails}  # nothing lost
+    twice = {k for k, n in ids.items() if n > 1}
+    assert max(ids.values()) <= 2
+    assert twice <= set(sink.dropped)  # only the messages in flight when the relay hung up
+    assert sink.dropped

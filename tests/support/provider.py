@@ -12,6 +12,15 @@ A request is accepted (delivered) when it arrives, before its answer is written,
 killed while waiting for the answer has still delivered: exactly the case idempotency keys
 exist for. Tests can script answers per key (500, 429 with Retry-After, 409, 400, slow), slow
 every answer down, or hold all answers until released. Every method is thread-safe.
+
+`POST /emails/batch` behaves as Resend documents it: a JSON array of up to 100 emails, one
+`Idempotency-Key` for the whole batch (the same key and body: the same answer, nothing sent
+again; the same key and another body: 409 `invalid_idempotent_request`), `x-batch-validation`
+`strict` (the default: one invalid email refuses the whole batch with 422) or `permissive`
+(the valid emails are sent; `data` lists their ids in order, `errors` one `{index, message}`
+per invalid one). With `rate` set, requests beyond that many per second (a token bucket with
+a burst of one second's worth, on either endpoint) get 429 with `Retry-After`. `emails()`
+counts accepted emails per (recipient, subject): the tests' subjects name the slot.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import re
 import threading
 import time
 from collections import Counter, deque
@@ -29,6 +40,10 @@ from typing import Any
 
 REASONS = {200: "OK", 400: "Bad Request", 409: "Conflict", 422: "Unprocessable Entity"}
 REASONS |= {429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
+
+MAX_BATCH = 100
+# What this stand-in accepts as an address: something@domain.tld, no spaces.
+ADDRESS = re.compile(r"[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+")
 
 
 @dataclass(frozen=True)
@@ -53,14 +68,26 @@ class Request:
     message_id: str | None
     received: float  # time.monotonic() in the test process
     answered: float
+    emails: int = 0  # emails this request delivered (1 for a delivered single send)
 
     def json(self) -> Any:
         return json.loads(self.body)
 
 
 class Provider:
-    def __init__(self, *, delay: float = 0.0) -> None:
+    def __init__(
+        self, *, delay: float = 0.0, rate: float | None = None, rate_slack: float = 0.05
+    ) -> None:
         self.delay = delay
+        # Requests per second (None: unlimited). `rate_slack` seconds of tolerance: a client
+        # pacing itself at exactly the rate sees its requests arrive with a few ms of jitter.
+        self.rate = rate
+        self.rate_slack = rate_slack
+        self._tokens = float(rate or 0)
+        self._tokens_at = time.monotonic()
+        self.limited = 0  # requests answered 429 by the rate limit
+        self._batches: dict[str, tuple[bytes, int, str]] = {}  # key -> (body, status, answer)
+        self._emails: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
         self._requests: list[Request] = []
         self._accepted: dict[str, tuple[bytes, str]] = {}  # key -> (body, message id)
@@ -168,6 +195,14 @@ class Provider:
         with self._lock:
             return len(self._requests) + self._in_flight
 
+    def emails(self) -> Counter[tuple[str, str]]:
+        """Accepted emails per (recipient, subject), over both endpoints."""
+        with self._lock:
+            return Counter(self._emails)
+
+    def batch_requests(self) -> list[Request]:
+        return [r for r in self.requests if r.path == "/emails/batch"]
+
     def delivered(self) -> Counter[str]:
         """Deliveries per key: a correct sender never makes any count exceed 1."""
         with self._lock:
@@ -227,23 +262,35 @@ class Provider:
         delivered = False
         message_id: str | None = None
         reply: Reply | None = None
+        emails = 0
+        extra: dict[str, str] = {}
         with self._lock:
             self._in_flight += 1
-            busy = key is not None and self._in_progress[key] > 0
-            if busy:
+            wait = self._rate_limited(received)
+            busy = wait is None and key is not None and self._in_progress[key] > 0
+            if wait is not None:
+                self.limited += 1
+                status, text = 429, json.dumps({"name": "rate_limit_exceeded"})
+                extra["Retry-After"] = str(max(1, math.ceil(wait)))
+            elif busy:
                 status, text = 409, json.dumps({"name": "concurrent_idempotent_requests"})
             else:
                 if key is not None:
                     self._in_progress[key] += 1
                 reply = self._next_script(key)
-                if reply is None or 200 <= reply.status < 300:
+                if reply is not None and not 200 <= reply.status < 300:
+                    status = reply.status
+                    text = reply.body or json.dumps({"name": "scripted", "statusCode": status})
+                elif path == "/emails/batch":
+                    validation = headers.get("x-batch-validation", "strict")
+                    status, text, emails = self._accept_batch(key, body, validation)
+                    delivered = emails > 0
+                else:
                     status, message_id, delivered = self._accept(key, body)
                     text = json.dumps(
                         {"id": message_id} if message_id else {"name": "invalid_idempotent_request"}
                     )
-                else:
-                    status = reply.status
-                    text = reply.body or json.dumps({"name": "scripted", "statusCode": status})
+                    emails = int(delivered)
             delay = max(
                 self.delay, reply.delay if reply else 0.0, self._slow_keys.get(key or "", 0.0)
             )
@@ -254,7 +301,7 @@ class Provider:
         finally:
             with self._lock:
                 self._in_flight -= 1
-                if key is not None and not busy:
+                if key is not None and not busy and wait is None:
                     self._in_progress[key] -= 1
                 self._requests.append(
                     Request(
@@ -268,10 +315,62 @@ class Provider:
                         message_id=message_id,
                         received=received,
                         answered=time.monotonic(),
+                        emails=emails,
                     )
                 )
-        extra = {"Retry-After": reply.retry_after} if reply and reply.retry_after else {}
+        if reply and reply.retry_after:
+            extra["Retry-After"] = reply.retry_after
         return status, extra, text.encode()
+
+    def _rate_limited(self, now: float) -> float | None:
+        """With the lock held: None if the request may pass (a token is taken), else the
+        seconds until one is there."""
+        if self.rate is None:
+            return None
+        self._tokens = min(self.rate, self._tokens + (now - self._tokens_at) * self.rate)
+        self._tokens_at = now
+        if self._tokens >= 1.0 - self.rate_slack * self.rate:
+            self._tokens -= 1.0
+            return None
+        return (1.0 - self._tokens) / self.rate
+
+    def _accept_batch(self, key: str | None, body: bytes, validation: str) -> tuple[int, str, int]:
+        """Resend's batch rules, with the lock held: (status, answer, emails delivered)."""
+        if key is not None and key in self._batches:
+            seen_body, seen_status, seen_answer = self._batches[key]
+            if seen_body != body:
+                return 409, json.dumps({"name": "invalid_idempotent_request"}), 0
+            return seen_status, seen_answer, 0
+        try:
+            items = json.loads(body)
+        except ValueError:
+            return 400, json.dumps({"name": "invalid_body"}), 0
+        if not isinstance(items, list) or not 0 < len(items) <= MAX_BATCH:
+            error = {"name": "validation_error", "message": f"1 to {MAX_BATCH} emails"}
+            return 422, json.dumps(error), 0
+        errors = [
+            {"index": i, "message": problem}
+            for i, item in enumerate(items)
+            if (problem := _invalid(item)) is not None
+        ]
+        if errors and validation != "permissive":
+            # Strict: the whole batch is refused, with the (first) error that refused it.
+            return 422, json.dumps({"name": "validation_error", **errors[0]}), 0
+        bad = {e["index"] for e in errors}
+        data = []
+        for i, item in enumerate(items):
+            if i in bad:
+                continue
+            self._ids += 1
+            data.append({"id": f"msg_{self._ids}"})
+            self._emails[(item["to"], item["subject"])] += 1
+        document: dict[str, Any] = {"data": data}
+        if validation == "permissive":
+            document["errors"] = errors
+        answer = json.dumps(document)
+        if key is not None:
+            self._batches[key] = (body, 200, answer)
+        return 200, answer, len(data)
 
     def _next_script(self, key: str | None) -> Reply | None:
         for which in (key, None):
@@ -291,4 +390,22 @@ class Provider:
         message_id = f"msg_{self._ids}"
         if key is not None:
             self._accepted[key] = (body, message_id)
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            document = json.loads(body)
+            self._emails[(document["to"], document["subject"])] += 1
         return 200, message_id, True
+
+
+def _invalid(item: Any) -> str | None:
+    """Why a batch member would be refused (None: valid)."""
+    if not isinstance(item, dict):
+        return "an email must be an object"
+    for field in ("from", "to", "subject"):
+        if not isinstance(item.get(field), str) or not item[field]:
+            return f"The `{field}` field is missing."
+    if not ADDRESS.fullmatch(item["to"]):
+        return f"Invalid `to` field: {item['to']!r}"
+    for field in ("attachments", "tags", "scheduled_at"):
+        if field in item:
+            return f"The `{field}` field is not supported in batches."
+    return None

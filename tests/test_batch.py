@@ -1,0 +1,364 @@
+"""Batched delivery (EMAIL_BATCH_SIZE > 1) against real PostgreSQL and the provider stand-in's
+`POST /emails/batch` (tests/support/provider.py, which follows Resend's documented semantics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from app import outbox
+from app.mailer import Email as Message
+from app.mailer import HttpMailer, batch_bytes, classify_batch, classify_response
+from tests.support.provider import Provider, Reply
+from tests.test_outbox import (
+    API_KEY,
+    MakeSettings,
+    counts,
+    running,
+    sender,
+    start_worker,
+    stop_workers,
+    until,
+    worker_env,
+)
+
+# The subject names the slot: the provider counts accepted emails per (recipient, subject).
+SLOT_SUBJECT = "Digest 2026-01-01"
+QUEUE_SQL = """
+INSERT INTO cronlock.email_outbox (job, slot, user_id, sender, recipient, subject, body)
+SELECT 'test', '2026-01-01T07:00:00Z', g, 'cronlock <digest@example.com>',
+       CASE WHEN g = ANY($3::int[]) THEN 'not an address ' || g
+            ELSE 'user' || g || '@example.com' END,
+       $4, 'Hello user ' || g
+FROM generate_series($1::int, $2::int) AS g
+"""
+
+
+async def queue(
+    conn: asyncpg.Connection, count: int, *, first: int = 1, bad: tuple[int, ...] = ()
+) -> list[str]:
+    """Queue `count` emails (users in `bad` get a malformed address); returns recipients."""
+    await conn.execute(QUEUE_SQL, first, first + count - 1, list(bad), SLOT_SUBJECT)
+    return [
+        f"not an address {g}" if g in bad else f"user{g}@example.com"
+        for g in range(first, first + count)
+    ]
+
+
+@pytest.fixture
+def provider() -> Iterator[Provider]:
+    with Provider() as p:
+        yield p
+
+
+@pytest.fixture
+def outbox_settings(make_settings: MakeSettings, provider: Provider) -> MakeSettings:
+    """As in tests/test_outbox.py: fast timers, no rate limit, the provider stand-in."""
+
+    def make(**overrides: Any) -> Any:
+        values: dict[str, Any] = {
+            "email_backend": "http",
+            "email_api_url": provider.url,
+            "email_api_key": API_KEY,
+            "outbox_rate_limit": 0,
+            "outbox_lease": 5.0,
+            "outbox_send_timeout": 2.0,
+            "outbox_backoff_base": 0.2,
+            "outbox_backoff_max": 5.0,
+            "outbox_poll_interval": 0.1,
+            "outbox_shutdown_timeout": 2.0,
+            "outbox_batch_size": 20,
+            "outbox_concurrency": 4,
+        }
+        return make_settings(**(values | overrides))
+
+    return make
+
+
+def each_once(provider: Provider, recipients: list[str]) -> bool:
+    return provider.emails() == Counter({(r, SLOT_SUBJECT): 1 for r in recipients})
+
+
+# --- the provider stand-in ------------------------------------------------------------------
+
+
+def _post(provider: Provider, body: bytes, key: str, mode: str | None = None) -> httpx.Response:
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    if mode:
+        headers["x-batch-validation"] = mode
+    return httpx.post(f"{provider.url}/emails/batch", content=body, headers=headers)
+
+
+def _body(*recipients: str) -> bytes:
+    return json.dumps(
+        [{"from": "a@example.com", "to": r, "subject": "s"} for r in recipients]
+    ).encode()
+
+
+def test_provider_batch_keys_and_validation_modes() -> None:
+    """Same key and body: the same answer, nothing sent again; same key, other body: 409
+    invalid_idempotent_request; strict refuses a whole batch for one bad email, permissive
+    sends the rest and reports the bad one by index."""
+    with Provider() as provider:
+        first = _post(provider, _body("a@x.io", "b@x.io"), "k1")
+        again = _post(provider, _body("a@x.io", "b@x.io"), "k1")
+        assert first.status_code == again.status_code == 200
+        assert first.json() == again.json()
+        assert len(first.json()["data"]) == 2
+        other = _post(provider, _body("c@x.io"), "k1")
+        assert other.status_code == 409
+        assert other.json()["name"] == "invalid_idempotent_request"
+        assert classify_response(other).status == "failed"  # permanent: never retried
+
+        strict = _post(provider, _body("d@x.io", "nope"), "k2")
+        assert strict.status_code == 422
+        permissive = _post(provider, _body("d@x.io", "nope", "e@x.io"), "k3", "permissive")
+        assert permissive.status_code == 200
+        assert permissive.json()["errors"][0]["index"] == 1
+        result = classify_batch(permissive, 3)
+        assert [m.status for m in result.members] == ["sent", "failed", "sent"]
+        assert result.members[2].message_id == permissive.json()["data"][1]["id"]
+        assert provider.emails() == Counter(
+            {("a@x.io", "s"): 1, ("b@x.io", "s"): 1, ("d@x.io", "s"): 1, ("e@x.io", "s"): 1}
+        )
+
+
+def test_provider_rate_limit_answers_429_with_retry_after() -> None:
+    with Provider(rate=2.0) as provider:
+        answers = [_post(provider, _body("a@x.io"), f"r{i}") for i in range(4)]
+        assert [a.status_code for a in answers][:2] == [200, 200]
+        assert 429 in [a.status_code for a in answers[2:]]
+        limited = next(a for a in answers if a.status_code == 429)
+        assert float(limited.headers["retry-after"]) >= 1
+
+
+def test_a_concurrent_duplicate_is_retried() -> None:
+    response = httpx.Response(409, json={"name": "concurrent_idempotent_requests"})
+    assert classify_response(response).status == "retry"
+
+
+def test_batch_bytes_and_key_depend_only_on_members() -> None:
+    emails = [Message(f"k{i}", "a@x.io", f"u{i}@x.io", "s", "b") for i in range(3)]
+    assert batch_bytes(emails) == batch_bytes(list(emails))
+    assert outbox.batch_key(["k0", "k1"]) == outbox.batch_key(["k0", "k1"])
+    assert outbox.batch_key(["k0", "k1"]) != outbox.batch_key(["k0", "k2"])
+
+
+# --- in-process senders ---------------------------------------------------------------------
+
+
+async def test_one_malformed_address_is_dead_alone(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """A batch of 100 with one bad address: that one is dead-lettered on its own (with its
+    batch shown by `dead_rows`), the other 99 are delivered once, in one request."""
+    recipients = await queue(db, 100, bad=(37,))
+    settings = outbox_settings(email_batch_size=100, outbox_batch_size=100)
+    async with sender(settings) as s, running(s):
+        await until(
+            lambda: db.fetchval(
+                "SELECT count(*) = 100 FROM cronlock.email_outbox WHERE status <> 'pending'"
+            ),
+            20,
+            "the batch to be answered",
+        )
+    assert await counts(db) == {"sent": 99, "dead": 1}
+    assert len(provider.batch_requests()) == 1
+    assert each_once(provider, [r for r in recipients if r != "not an address 37"])
+    [dead] = await outbox.dead_rows(db, schema="cronlock")
+    assert dead.recipient == "not an address 37"
+    assert dead.batch_key is not None
+    assert dead.batch_key.startswith("batch-")
+    assert "refused in its batch" in (dead.last_error or "")
+    ids = await db.fetch(
+        "SELECT provider_message_id FROM cronlock.email_outbox WHERE status = 'sent'"
+    )
+    assert len({r["provider_message_id"] for r in ids}) == 99  # each its own id
+
+    # Re-queued alone, it leaves its batch and forms a new one (which fails the same way).
+    [requeued] = await outbox.requeue(db, [dead.id], schema="cronlock")
+    assert await db.fetchval(
+        "SELECT batch_id IS NULL FROM cronlock.email_outbox WHERE id = $1", requeued.id
+    )
+
+
+async def test_a_retried_batch_sends_the_same_bytes_under_the_same_key(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """A 500, a 429 with Retry-After and a concurrent-duplicate 409: each attempt repeats
+    the frozen batch exactly, and the emails are accepted once."""
+    recipients = await queue(db, 30)
+    provider.script(
+        None,
+        Reply(500),
+        Reply(429, retry_after="0"),
+        Reply(409, body=json.dumps({"name": "concurrent_idempotent_requests"})),
+    )
+    settings = outbox_settings(email_batch_size=30, outbox_batch_size=30)
+    async with sender(settings) as s, running(s):
+        await until(
+            lambda: db.fetchval(
+                "SELECT count(*) = 30 FROM cronlock.email_outbox WHERE status = 'sent'"
+            ),
+            30,
+            "the batch to be sent",
+        )
+    requests = provider.batch_requests()
+    assert [r.status for r in requests] == [500, 429, 409, 200]
+    assert len({r.key for r in requests}) == 1
+    assert len({r.body for r in requests}) == 1
+    assert each_once(provider, recipients)
+    batch = await db.fetchrow("SELECT * FROM cronlock.email_batch")
+    assert batch is not None
+    assert batch["status"] == "done"
+    assert batch["attempts"] == 4
+    assert bytes(batch["body"]) == requests[0].body
+
+
+async def test_an_invalid_idempotent_request_is_dead_not_looped(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    await queue(db, 5)
+    body = json.dumps({"name": "invalid_idempotent_request"})
+    provider.script(None, Reply(409, body=body))
+    settings = outbox_settings(email_batch_size=10)
+    async with sender(settings) as s, running(s):
+        await until(
+            lambda: db.fetchval(
+                "SELECT count(*) = 5 FROM cronlock.email_outbox WHERE status = 'dead'"
+            ),
+            20,
+            "the batch to be dead",
+        )
+    assert len(provider.batch_requests()) == 1
+
+
+# --- several OS processes -------------------------------------------------------------------
+
+# The proof's full size is 6,000 emails at 2 requests/s (~30 s); BATCH_PROOF_EMAILS scales it.
+PROOF_EMAILS = int(os.environ.get("BATCH_PROOF_EMAILS", "6000"))
+
+
+async def test_two_senders_deliver_at_the_providers_request_limit_times_the_batch(
+    db: asyncpg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """2 sender processes, a provider allowing 2 requests/s, batches of 100: at least 0.9 x
+    200 emails/s, each email accepted once, and the provider's limit never hit."""
+    total, rate, size = PROOF_EMAILS, 2.0, 100
+    recipients = await queue(db, total)
+    with Provider(rate=rate) as provider:
+        env = worker_env(
+            database_url,
+            provider,
+            email_batch_size=size,
+            outbox_batch_size=size,
+            outbox_rate_limit=rate,
+            outbox_concurrency=2,
+            outbox_lease=30,
+            outbox_send_timeout=5,
+        )
+        log = tmp_path / "workers.log"
+        workers = [start_worker(env, log) for _ in range(2)]
+        try:
+            await until(
+                lambda: db.fetchval(
+                    "SELECT count(*) = $1 FROM cronlock.email_outbox WHERE status = 'sent'", total
+                ),
+                total / (rate * size) * 2 + 20,
+                "every email to be sent",
+                every=0.5,
+            )
+        finally:
+            codes = stop_workers(workers, log)
+        requests = [r for r in provider.batch_requests() if r.status == 200]
+    assert codes == [0, 0]
+    assert each_once(provider, recipients)
+    # From the first request to the last, plus the one interval the last request opens.
+    seconds = max(r.received for r in requests) - min(r.received for r in requests) + 1 / rate
+    achieved = total / seconds
+    print(f"\n{total} emails in {seconds:.1f} s: {achieved:.0f}/s (ideal {rate * size:.0f}/s)")
+    assert achieved >= 0.9 * rate * size
+    assert provider.limited <= 2  # our bucket is the provider's: at most a jitter's 429
+
+
+async def test_sender_killed_mid_batch_each_email_once(
+    db: asyncpg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """kill -9 a sender while its batches are at the provider: after the lease another
+    sender sends those batches again, the same members, bytes and key, and the provider
+    answers without sending; each email is accepted once."""
+    total = 1000
+    recipients = await queue(db, total)
+    lease = 2.0
+    with Provider() as provider:
+        env = worker_env(
+            database_url,
+            provider,
+            email_batch_size=50,
+            outbox_batch_size=100,
+            outbox_concurrency=2,
+            outbox_lease=lease,
+            outbox_send_timeout=1.0,
+        )
+        log = tmp_path / "workers.log"
+        victim = start_worker(env, log)
+        workers = [victim]
+        try:
+            await until(lambda: provider.received() >= 3, 20, "the victim to be sending")
+            provider.hold()
+            await until(lambda: provider.in_flight >= 1, 5, "a batch in flight")
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait(5)
+            killed_at = time.monotonic()
+            provider.release()
+            workers += [start_worker(env, log) for _ in range(2)]
+            await until(
+                lambda: db.fetchval(
+                    "SELECT count(*) = $1 FROM cronlock.email_outbox WHERE status = 'sent'", total
+                ),
+                40,
+                "every email to be sent",
+            )
+            assert time.monotonic() - killed_at >= lease * 0.9
+        finally:
+            codes = stop_workers(workers, log)
+    assert codes == [-signal.SIGKILL, 0, 0]
+    assert each_once(provider, recipients)
+    by_key: dict[str | None, list[Any]] = {}
+    for r in provider.batch_requests():
+        by_key.setdefault(r.key, []).append(r)
+    repeated = {k: rs for k, rs in by_key.items() if len(rs) > 1}
+    assert repeated  # the victim's batches in flight were sent again
+    for rs in repeated.values():
+        assert len({r.body for r in rs}) == 1  # the same bytes every time
+        assert sum(r.emails for r in rs) == len(json.loads(rs[0].body))  # sent once
+    assert (
+        await db.fetchval("SELECT count(*) FROM cronlock.email_batch WHERE status <> 'done'") == 0
+    )
+
+
+async def test_http_mailer_sends_permissive_batches(provider: Provider) -> None:
+    mailer = HttpMailer(provider.url, API_KEY, timeout=2.0)
+    try:
+        emails = [Message(f"k{i}", "a@x.io", f"u{i}@x.io", "s", "b") for i in range(2)]
+        result = await mailer.send_batch("bk", batch_bytes(emails), 2)
+    finally:
+        await mailer.aclose()
+    assert result.request.status == "sent"
+    assert [m.status for m in result.members] == ["sent", "sent"]
+    [request] = provider.requests
+    assert request.headers["x-batch-validation"] == "permissive"
+    assert request.headers["idempotency-key"] == "bk"
+    await asyncio.sleep(0)
