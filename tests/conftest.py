@@ -2,24 +2,30 @@
 
 - `pg_server` (session): a throwaway local server, or `DATABASE_URL`'s when set.
 - `template_database` (session): migrated once; `database_url`/`db` clone it per test.
-- `make_settings`, `start_instance`: the app in-process, or as real uvicorn processes.
+- `make_settings`; `start_app` (the app in this process, over httpx.ASGITransport) or
+  `start_instance` (a real uvicorn process); `client` reaches either by its `url`.
 - `pgbouncer` (session), `start_nginx` (factory): the pooler and the proxy (marker `cluster`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
+import httpx
 import pytest
 
 from tests.support import TEST_SECRET
+from tests.support.asgi import Dispatch, InProcess, StartApp, serve
 from tests.support.binaries import require_binary
 from tests.support.cluster import Instance, Nginx, PgBouncer
 from tests.support.postgres import (
@@ -36,8 +42,9 @@ if TYPE_CHECKING:
     from app.settings import Settings
 
 CLUSTER_FIXTURES = ("pgbouncer", "start_nginx")
-INSTANCES_KEY = pytest.StashKey[list[Instance]]()
+INSTANCES_KEY = pytest.StashKey[list[Instance | InProcess]]()
 INSTANCE_STOP_GRACE = 5.0
+READY_TIMEOUT = 30.0
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -143,6 +150,60 @@ def make_settings(database_url: str) -> Callable[..., Settings]:
 
 
 @pytest.fixture
+def dispatch() -> Dispatch:
+    """Where `client` sends a request: to an in-process app by its url, else the network."""
+    return Dispatch(limits=httpx.Limits(max_connections=200))
+
+
+@pytest.fixture
+async def client(dispatch: Dispatch) -> AsyncIterator[httpx.AsyncClient]:
+    """The test's HTTP client, for `start_app` apps and real processes alike."""
+    async with httpx.AsyncClient(transport=dispatch, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+async def start_app(
+    request: pytest.FixtureRequest,
+    make_settings: Callable[..., Settings],
+    dispatch: Dispatch,
+    database_url: str,
+) -> AsyncIterator[StartApp]:
+    """`await start_app(name="app", **settings)`: the app (`create_app(make_settings(...))`)
+    served in this process, its lifespan run, shut down at teardown. For tests where no
+    process boundary is under test (uvicorn, signals, several processes at once).
+
+    Returned once ready, as `start_instance`: /readyz = 200 on this test's database, or
+    /healthz = 200 when `database_url` points elsewhere."""
+    from app.main import create_app
+
+    started = request.node.stash.setdefault(INSTANCES_KEY, [])
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(name: str = "app", **overrides: Any) -> InProcess:
+            overrides.setdefault("graceful_shutdown_timeout", INSTANCE_STOP_GRACE)
+            settings = make_settings(instance_name=name, **overrides)
+            app = create_app(settings)
+            served = await stack.enter_async_context(serve(app, name, settings.log_level))
+            started.append(served)
+            dispatch.add(served)
+            own = settings.database_url == database_url
+            await _ready(served, "/readyz" if own else "/healthz")
+            return served
+
+        yield start
+
+
+async def _ready(served: InProcess, path: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    async with httpx.AsyncClient(transport=served.transport, base_url=served.url) as probe:
+        while (await probe.get(path)).status_code != 200:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{served.name}: {path} not 200 after {READY_TIMEOUT} s")
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
 def start_instance(
     request: pytest.FixtureRequest, database_url: str, tmp_path: Path
 ) -> Iterator[Callable[..., Instance]]:
@@ -153,7 +214,7 @@ def start_instance(
     migrated, so the first request is not a 503), or GET /healthz = 200 when `env` points
     DATABASE_URL elsewhere (a server that may be down, a standby...)."""
     started: list[Instance] = []
-    request.node.stash[INSTANCES_KEY] = started
+    reported = request.node.stash.setdefault(INSTANCES_KEY, [])
 
     def start(name: str = "i1", env: dict[str, str] | None = None, **kw: Any) -> Instance:
         full_env = {
@@ -168,6 +229,7 @@ def start_instance(
         kw.setdefault("ready_path", "/readyz" if own_database else "/healthz")
         instance = Instance(name, full_env, **kw)
         started.append(instance)
+        reported.append(instance)
         instance.start()
         return instance
 

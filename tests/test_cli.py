@@ -1,8 +1,10 @@
 """The operator's command line against a real database and real instances: the same views as
 the HTTP API (`--json`), tables for people, exit codes, trigger, cancel, outbox, catch-up.
 
-Most commands run in-process (`app.cli.main` in a worker thread, as `python -m app` calls it);
-the ones whose process boundary matters (exit status, the secret's way in) run as processes.
+Most commands run in-process (`app.cli.main` in a worker thread, as `python -m app` calls it),
+against an instance in-process too where the CLI reaches it through the database only; the
+ones whose process boundary matters (exit status, the secret's way in, `trigger` over HTTP,
+`serve`) run as processes.
 """
 
 from __future__ import annotations
@@ -27,18 +29,13 @@ import pytest
 
 from app import cli
 from tests.support import TEST_SECRET
+from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
 Starter = Callable[..., Any]
 REPO = Path(__file__).resolve().parent.parent
 DOWN_URL = "postgresql://nobody@127.0.0.1:9/none"
-
-
-@pytest.fixture
-async def client() -> Any:
-    async with httpx.AsyncClient(timeout=30) as c:
-        yield c
 
 
 @pytest.fixture
@@ -110,13 +107,13 @@ def without(value: Any, *keys: str) -> Any:
 
 
 async def test_json_output_is_what_the_http_api_answers(
-    start_instance: Starter,
+    start_app: StartApp,
     client: httpx.AsyncClient,
     db: asyncpg.Connection,
     cli_env: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    i = start_instance("svc")
+    i = await start_app("svc")
     await post(client, i.url + "/cron/fast")
     await post(client, i.url + "/cron/fails")
     pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 3}))
@@ -134,13 +131,13 @@ async def test_json_output_is_what_the_http_api_answers(
 
 
 async def test_tables_for_people(
-    start_instance: Starter,
+    start_app: StartApp,
     client: httpx.AsyncClient,
     db: asyncpg.Connection,
     cli_env: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    i = start_instance("svc")
+    i = await start_app("svc")
     for _ in range(3):
         await post(client, i.url + "/cron/fast")
     pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 3}))
@@ -300,13 +297,13 @@ async def test_trigger_exit_codes(
 
 
 async def test_cancel_rolls_the_run_back_and_records_it(
-    start_instance: Starter,
+    start_app: StartApp,
     client: httpx.AsyncClient,
     db: asyncpg.Connection,
     cli_env: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    i = start_instance("svc")
+    i = await start_app("svc")
     pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 20}))
     await wait_for(lambda: sleeping_in_sql(db), 10, "slow-sql to be in its pg_sleep")
     result = await run_cli(capsys, "cancel", "slow-sql", "--json")
@@ -330,13 +327,13 @@ async def test_cancel_rolls_the_run_back_and_records_it(
 
 
 async def test_a_holder_between_statements_needs_terminate(
-    start_instance: Starter,
+    start_app: StartApp,
     client: httpx.AsyncClient,
     db: asyncpg.Connection,
     cli_env: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    i = start_instance("svc")
+    i = await start_app("svc")
     # `slow` sleeps in Python: its backend sits idle in transaction, where a cancel is ignored.
     pending = asyncio.create_task(post(client, i.url + "/cron/slow", json={"seconds": 4}))
     await wait_for(lambda: lock_held(db, "slow"), 10, "slow to take its lock")
