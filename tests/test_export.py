@@ -256,12 +256,9 @@ def run_scheduler_once(
     if not background:
         body = body.replace(" & fi", "; fi")
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "TMPDIR": str(tmp_path)}
-    subprocess.run(["sh", "-c", body], env=env, check=False, timeout=10)
-    if background:
-        for _ in range(100):
-            if calls.exists():
-                break
-            subprocess.run(["sleep", "0.02"], check=True)
+    # The triggers run in the background and outlive the loop's shell; each holds its stderr
+    # (the script's `|| echo ... >&2`), so reading that pipe to its end waits for every one.
+    subprocess.run(["sh", "-c", body], env=env, check=False, timeout=10, stderr=subprocess.PIPE)
     if not calls.exists():
         return []
     return [line.split() for line in calls.read_text().splitlines()]
