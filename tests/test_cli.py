@@ -226,6 +226,7 @@ async def test_commands_give_up_on_a_statement_that_never_answers(
         assert result.code == 0, (args, result.err)
 
 
+@pytest.mark.slow
 def test_exit_status_of_the_process(cli_env: dict[str, str]) -> None:
     assert run_process(cli_env, "run", "fast").returncode == 0
     failed = run_process(cli_env, "run", "fails")

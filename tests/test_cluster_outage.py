@@ -21,7 +21,6 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.support.binaries import require_binary
 from tests.support.cluster import Cluster, Instance
 from tests.support.faults import (
     CLUSTER_ENV,
@@ -31,7 +30,6 @@ from tests.support.faults import (
     heal,
     reset,
     settle,
-    start_cluster,
 )
 from tests.support.postgres import ScratchPostgres, start_standby
 from tests.util import AUTH, lock_held, post, runs, wait_for
@@ -63,14 +61,8 @@ def postgres(root: Path) -> Iterator[ScratchPostgres]:
 
 
 @pytest.fixture(scope="module")
-def cluster(postgres: ScratchPostgres, root: Path) -> Iterator[Cluster]:
-    require_binary("pgbouncer")
-    require_binary("nginx")
-    started = start_cluster(root / "cluster", postgres.dsn())
-    try:
-        yield started
-    finally:
-        started.stop()
+def cluster(make_cluster: Callable[..., Cluster], postgres: ScratchPostgres) -> Cluster:
+    return make_cluster(postgres.dsn())
 
 
 @contextlib.asynccontextmanager
@@ -98,12 +90,6 @@ async def _fresh(
     yield
     assert cluster.pgbouncer is not None
     cluster.pgbouncer.check_alive()
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=60) as c:
-        yield c
 
 
 def targets(cluster: Cluster) -> list[str]:

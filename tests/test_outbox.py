@@ -986,6 +986,7 @@ def stop_workers(workers: list[subprocess.Popen[bytes]], log: Path) -> list[int]
     return codes
 
 
+@pytest.mark.slow
 async def test_ten_thousand_emails_three_processes(
     db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
 ) -> None:
@@ -1034,6 +1035,7 @@ async def test_ten_thousand_emails_three_processes(
     assert senders == 1  # every row went out on its first claim
 
 
+@pytest.mark.slow
 async def test_drain_process_with_once_exits_when_nothing_is_due(
     db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
 ) -> None:
@@ -1047,6 +1049,7 @@ async def test_drain_process_with_once_exits_when_nothing_is_due(
     assert await counts(db) == {"sent": 25}
 
 
+@pytest.mark.slow
 async def test_drain_once_stops_at_sigterm(
     db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
 ) -> None:
@@ -1079,6 +1082,7 @@ async def test_drain_once_stops_at_sigterm(
             assert r["attempts"] == 0
 
 
+@pytest.mark.slow
 async def test_sender_killed_mid_batch(
     db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
 ) -> None:

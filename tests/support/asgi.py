@@ -102,6 +102,11 @@ async def serve(app: ASGIApp, name: str, log_level: str = "INFO") -> AsyncIterat
         await answers.put(message)
 
     scope: Scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": state}
+    # The app's startup collects, then freezes what exists for the life of its process
+    # (app.main). Here that process is the test session: what it holds already is frozen
+    # first, so that collection has only the app to walk (a tenth of a second less a start),
+    # and all of it is given back to the collector when the app stops.
+    gc.freeze()
     token = _serving.set(name)
     try:
         task = asyncio.create_task(app(scope, receive, send), name=f"lifespan-{name}")
@@ -123,8 +128,6 @@ async def serve(app: ASGIApp, name: str, log_level: str = "INFO") -> AsyncIterat
             await task  # a failed startup's exception is LifespanError's message already
         logger.removeHandler(handler)
         logger.setLevel(old_level)
-        # The app's startup freezes what exists for the life of its process (app.main); in a
-        # test process that is only as long as this app, so the collector gets it back.
         gc.unfreeze()
 
 
