@@ -88,10 +88,10 @@ async def test_ledger_prune_keeps_the_retention_and_closes_abandoned_rows(
 
 
 async def test_a_missed_slot_is_caught_up_once_across_instances(
-    start_instance: Starter, db: asyncpg.Connection
+    start_instances: Callable[..., list[Any]], db: asyncpg.Connection
 ) -> None:
     env = {"CRON_JOBS": "tests.jobs,tests.catchup_jobs", "CATCH_UP_INTERVAL": "0.5"}
-    instances = [start_instance(f"c{n}", env) for n in range(3)]
+    instances = start_instances(["c0", "c1", "c2"], env)
 
     async def caught_up() -> bool:
         return bool(await runs(db, "catch-up-daily"))
