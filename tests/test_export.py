@@ -79,6 +79,9 @@ def assert_every_tick_is_triggered(job: Job, lines: list[str]) -> int:
 # --- UTC entries ------------------------------------------------------------------------------
 
 
+# Every minute of a year through the schedule: what it covers, the other tests here cover
+# too, and measuring it would double its time.
+@pytest.mark.no_cover
 @pytest.mark.parametrize("name", sorted(ZONED))
 def test_utc_entries_trigger_every_tick_of_a_year(registry: Registry, name: str) -> None:
     job = registry[name]
