@@ -210,6 +210,7 @@ async def test_commands_exit_3_when_the_database_is_down(
         assert "database unavailable" in result.err
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_commands_give_up_on_a_statement_that_never_answers(
     cli_env: dict[str, str],
     db: asyncpg.Connection,
@@ -336,6 +337,7 @@ async def test_cancel_rolls_the_run_back_and_records_it(
     assert (await post(client, i.url + "/cron/slow-sql", json={"seconds": 0})).status_code == 200
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_a_holder_between_statements_needs_terminate(
     start_app: StartApp,
     client: httpx.AsyncClient,

@@ -91,6 +91,7 @@ async def seed_run(
 # --- GET /cron/jobs and /cron/locks ---------------------------------------------------------
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_jobs_show_last_run_and_running_from_pg_locks(
     pair: tuple[Any, Any], client: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
@@ -135,6 +136,7 @@ async def test_jobs_show_last_run_and_running_from_pg_locks(
     assert slow["last_run"]["status"] == "succeeded"
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_locks_maps_keys_to_jobs_in_this_database_only(
     pair: tuple[Any, Any], client: httpx.AsyncClient, db: asyncpg.Connection, pg_server: Any
 ) -> None:

@@ -600,6 +600,7 @@ async def test_expired_lease_cannot_overwrite_the_new_claim(
     assert (await row(db, key))["provider_message_id"] == "from-b"
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_a_slow_smtp_relay_gets_no_overlapping_attempts(
     db: asyncpg.Connection, outbox_settings: MakeSettings
 ) -> None:
@@ -688,6 +689,7 @@ async def test_listener_survives_an_error_that_is_not_an_outage(
         await until(lambda: len(provider.requests) == 1, 3, "delivery after NOTIFY")
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_rate_limit_is_shared_by_senders(
     db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
 ) -> None:
@@ -854,6 +856,7 @@ async def test_prune_deletes_only_old_sent_rows(db: asyncpg.Connection) -> None:
     assert [r["user_id"] for r in left] == [4, 5, 6]
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_prune_is_bounded_and_runs_one_at_a_time(
     db: asyncpg.Connection, outbox_settings: MakeSettings
 ) -> None:

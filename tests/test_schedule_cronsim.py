@@ -203,6 +203,7 @@ def loops_in_cronsim(schedule: Schedule, start: datetime, end: datetime) -> bool
     return any(first <= day <= last for day in repeated_midnights(schedule.tz))
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 def test_next_fire_times_match_cronsim() -> None:
     rng = random.Random(SEED)
     compared, excluded, failures = 0, Counter[str](), []

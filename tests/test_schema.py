@@ -622,6 +622,7 @@ class CountingDatabase(Database):
         return await super().check(apply_migrations=apply_migrations)
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_the_watcher_backs_off_while_a_migration_keeps_failing(
     fresh_url: str, fresh: asyncpg.Connection
 ) -> None:
