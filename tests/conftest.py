@@ -2,26 +2,33 @@
 
 - `pg_server` (session): a throwaway local server, or `DATABASE_URL`'s when set.
 - `template_database` (session): migrated once; `database_url`/`db` clone it per test.
-- `make_settings`, `start_instance`: the app in-process, or as real uvicorn processes.
+- `make_settings`; `start_app` (the app in this process, over httpx.ASGITransport) or
+  `start_instance` (a real uvicorn process); `client` reaches either by its `url`.
 - `pgbouncer` (session), `start_nginx` (factory): the pooler and the proxy (marker `cluster`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
-import signal
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
+import httpx
 import pytest
 
 from tests.support import TEST_SECRET
+from tests.support.asgi import Dispatch, InProcess, StartApp, serve
 from tests.support.binaries import require_binary
-from tests.support.cluster import Instance, Nginx, PgBouncer
+from tests.support.cluster import Cluster, Instance, Nginx, PgBouncer
+from tests.support.faults import start_cluster
+from tests.support.instances import INSTANCE_STOP_GRACE, Instances
 from tests.support.postgres import (
     ExternalPostgres,
     PostgresServer,
@@ -35,16 +42,23 @@ from tests.support.postgres import (
 if TYPE_CHECKING:
     from app.settings import Settings
 
-CLUSTER_FIXTURES = ("pgbouncer", "start_nginx")
-INSTANCES_KEY = pytest.StashKey[list[Instance]]()
-INSTANCE_STOP_GRACE = 5.0
+CLUSTER_FIXTURES = ("pgbouncer", "start_nginx", "make_cluster")
+# Real app processes (uvicorn instances): what `./scripts/test --fast` leaves out, with the
+# tests marked `slow` by hand (other processes: the CLI, outbox workers, a wheel build).
+PROCESS_FIXTURES = ("instances", "report_logs")
+INSTANCES_KEY = pytest.StashKey[list[Instance | InProcess]]()
+READY_TIMEOUT = 30.0
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # `-m "not cluster"` then deselects every test that needs PgBouncer or nginx.
+    # `-m "not cluster and not slow"` (./scripts/test --fast) then deselects every test that
+    # needs PgBouncer or nginx, or starts app processes.
     for item in items:
-        if any(name in getattr(item, "fixturenames", ()) for name in CLUSTER_FIXTURES):
+        names = getattr(item, "fixturenames", ())
+        if any(name in names for name in CLUSTER_FIXTURES):
             item.add_marker(pytest.mark.cluster)
+        if any(name in names for name in PROCESS_FIXTURES):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -109,8 +123,22 @@ async def database_url(pg_server: PostgresServer, template_database: str) -> Asy
         yield url
 
 
+@pytest.fixture(scope="module")
+async def module_database_url(
+    request: pytest.FixtureRequest, pg_server: PostgresServer, template_database: str
+) -> AsyncIterator[str]:
+    """A migrated database the tests of one module share, with the processes the module starts
+    once for them all (its cluster, its instances). Such a module overrides `database_url`
+    with it (so `db`, `start_instance`, `make_settings` follow), and each test resets what it
+    counts (tests.support.faults.reset)."""
+    prefix = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    async with cloned_database(pg_server, template_database, prefix) as url:
+        yield url
+
+
 @pytest.fixture
 async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection straight to this test's database (never through PgBouncer)."""
     conn = await asyncpg.connect(database_url, statement_cache_size=0)
     try:
         yield conn
@@ -143,39 +171,84 @@ def make_settings(database_url: str) -> Callable[..., Settings]:
 
 
 @pytest.fixture
-def start_instance(
+def dispatch() -> Dispatch:
+    """Where `client` sends a request: to an in-process app by its url, else the network."""
+    return Dispatch(limits=httpx.Limits(max_connections=200))
+
+
+@pytest.fixture
+async def client(dispatch: Dispatch) -> AsyncIterator[httpx.AsyncClient]:
+    """The test's HTTP client, for `start_app` apps and real processes alike."""
+    async with httpx.AsyncClient(transport=dispatch, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+async def start_app(
+    request: pytest.FixtureRequest,
+    make_settings: Callable[..., Settings],
+    dispatch: Dispatch,
+    database_url: str,
+) -> AsyncIterator[StartApp]:
+    """`await start_app(name="app", **settings)`: the app (`create_app(make_settings(...))`)
+    served in this process, its lifespan run, shut down at teardown. For tests where no
+    process boundary is under test (uvicorn, signals, several processes at once).
+
+    Returned once ready, as `start_instance`: /readyz = 200 on this test's database, or
+    /healthz = 200 when `database_url` points elsewhere."""
+    from app.main import create_app
+
+    started = request.node.stash.setdefault(INSTANCES_KEY, [])
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(name: str = "app", **overrides: Any) -> InProcess:
+            overrides.setdefault("graceful_shutdown_timeout", INSTANCE_STOP_GRACE)
+            settings = make_settings(instance_name=name, **overrides)
+            app = create_app(settings)
+            served = await stack.enter_async_context(serve(app, name, settings.log_level))
+            started.append(served)
+            dispatch.add(served)
+            own = settings.database_url == database_url
+            await _ready(served, "/readyz" if own else "/healthz")
+            return served
+
+        yield start
+
+
+async def _ready(served: InProcess, path: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    async with httpx.AsyncClient(transport=served.transport, base_url=served.url) as probe:
+        while (await probe.get(path)).status_code != 200:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{served.name}: {path} not 200 after {READY_TIMEOUT} s")
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def instances(
     request: pytest.FixtureRequest, database_url: str, tmp_path: Path
-) -> Iterator[Callable[..., Instance]]:
+) -> Iterator[Instances]:
+    """This test's real instances (see `start_instance`), stopped at teardown."""
+    reported = request.node.stash.setdefault(INSTANCES_KEY, [])
+    started = Instances(database_url, tmp_path / "instances", reported)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+def start_instance(instances: Instances) -> Callable[..., Instance]:
     """`start_instance(name="i1", env=None, **kw)`: a real uvicorn process on this test's
     database, stopped at teardown; `kw` goes to `Instance` (port, app_factory, ready_path...).
+    Returned once ready (see `Instances`)."""
+    return instances.start
 
-    Returned once ready: GET /readyz = 200 on this test's database (the service has seen it
-    migrated, so the first request is not a 503), or GET /healthz = 200 when `env` points
-    DATABASE_URL elsewhere (a server that may be down, a standby...)."""
-    started: list[Instance] = []
-    request.node.stash[INSTANCES_KEY] = started
 
-    def start(name: str = "i1", env: dict[str, str] | None = None, **kw: Any) -> Instance:
-        full_env = {
-            "DATABASE_URL": database_url,
-            "CRON_SECRET": TEST_SECRET,
-            "CRON_JOBS": "tests.jobs",
-            "OUTBOX_ENABLED": "false",
-            **(env or {}),
-        }
-        kw.setdefault("dir", tmp_path / "instances" / name)
-        own_database = full_env["DATABASE_URL"] == database_url
-        kw.setdefault("ready_path", "/readyz" if own_database else "/healthz")
-        instance = Instance(name, full_env, **kw)
-        started.append(instance)
-        instance.start()
-        return instance
-
-    yield start
-    for instance in started:
-        instance.signal(signal.SIGTERM)  # all at once, then wait for each
-    for instance in started:
-        instance.stop(INSTANCE_STOP_GRACE)
+@pytest.fixture
+def start_instances(instances: Instances) -> Callable[..., list[Instance]]:
+    """`start_instances(names, env=None, **kw)`: several at once, started in parallel."""
+    return instances.start_many
 
 
 @pytest.fixture
@@ -232,6 +305,29 @@ def _cluster_liveness(request: pytest.FixtureRequest) -> Iterator[None]:
     bouncer.check_alive()
     yield
     bouncer.check_alive()
+
+
+@pytest.fixture(scope="module")
+def make_cluster() -> Iterator[Callable[..., Cluster]]:
+    """`make_cluster(database_url, **kw)`: a module's cluster (PgBouncer, uvicorn instances,
+    nginx: tests.support.faults.start_cluster), each instance ready; stopped after the
+    module's last test."""
+    require_binary("pgbouncer")
+    require_binary("nginx")
+    root = _scratch_dir("cronlock-cluster-")
+    started: list[Cluster] = []
+
+    def make(database_url: str, **kw: Any) -> Cluster:
+        cluster = start_cluster(root / f"cluster{len(started)}", database_url, **kw)
+        started.append(cluster)
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in started:
+            cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

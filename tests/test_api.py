@@ -1,17 +1,19 @@
-"""The HTTP contract of a real instance: auth first, then 404/405, 413, 422, then the run."""
+"""The HTTP contract of an instance: auth first, then 404/405, 413, 422, then the run.
+
+In-process (`start_app`): nothing here crosses a process boundary, except uvicorn's
+--root-path, which a real process serves."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
 
 import asyncpg
-import httpx
 import pytest
 
 from tests.support import TEST_SECRET
+from tests.support.asgi import InProcess, StartApp
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
 PREVIOUS = "p" * 40
@@ -20,14 +22,8 @@ Starter = Callable[..., Any]
 
 
 @pytest.fixture
-async def instance(start_instance: Starter) -> Any:
-    return start_instance("api", {"CRON_SECRET_PREVIOUS": PREVIOUS, "MAX_BODY_BYTES": "1024"})
-
-
-@pytest.fixture
-async def client() -> Any:
-    async with httpx.AsyncClient(timeout=30) as c:
-        yield c
+async def instance(start_app: StartApp) -> InProcess:
+    return await start_app("api", cron_secret_previous=PREVIOUS, max_body_bytes=1024)
 
 
 BAD_AUTH = [
@@ -172,8 +168,8 @@ async def test_health_is_open(instance: Any, client: Any) -> None:
     assert r.json()["status"] == "ready"
 
 
-async def test_get_trigger_is_opt_in(start_instance: Starter, client: Any) -> None:
-    i = start_instance("get", {"CRON_ALLOW_GET": "true"})
+async def test_get_trigger_is_opt_in(start_app: StartApp, client: Any) -> None:
+    i = await start_app("get", cron_allow_get=True)
     r = await client.get(i.url + "/cron/fast", headers=AUTH)
     assert r.status_code == 200
     assert r.json()["processed"] == 1
@@ -202,11 +198,11 @@ async def test_job_failure_is_500_with_run_id_and_leaves_nothing(
 
 
 async def test_session_state_a_job_leaves_is_cleared_with_its_commit(
-    start_instance: Starter, client: Any, db: asyncpg.Connection
+    start_app: StartApp, client: Any, db: asyncpg.Connection
 ) -> None:
     """A plain SET, a session advisory lock, a LISTEN: committed with the run, they would stay
     on the pooled connection (behind PgBouncer: on a server connection other clients get)."""
-    instance = start_instance("state", {"DB_POOL_MAX_SIZE": "2"})
+    instance = await start_app("state", db_pool_max_size=2)
     r = await post(client, instance.url + "/cron/leaves-session-state")
     assert r.status_code == 200, r.text
     careless_pid = r.json()["processed"]
@@ -288,7 +284,7 @@ async def test_success_answer_and_ledger(
 
 
 async def test_every_trigger_is_logged_skips_included(
-    instance: Any, client: Any, start_instance: Starter
+    instance: Any, client: Any, start_app: StartApp
 ) -> None:
     await post(client, instance.url + "/cron/yearly")
     await post(client, instance.url + "/cron/yearly")
@@ -299,7 +295,12 @@ async def test_every_trigger_is_logged_skips_included(
     await wait_for(logged, 5, "the skip's log line")
     lines = [line for line in instance.log().splitlines() if '"job": "yearly"' in line]
     assert [json.loads(line)["outcome"] for line in lines] == ["succeeded", "skipped"]
-    quiet = start_instance("quiet", {"LOG_SKIPS": "false"})
+    quiet = await start_app("quiet", log_skips=False)
     await post(client, quiet.url + "/cron/yearly")
-    await asyncio.sleep(0.3)
+    await post(client, quiet.url + "/cron/fast")
+
+    async def fast_logged() -> bool:  # after the skip's line, had there been one
+        return '"job": "fast"' in quiet.log()
+
+    await wait_for(fast_logged, 5, "the quiet instance's run line")
     assert '"reason": "already done"' not in quiet.log()

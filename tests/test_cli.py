@@ -1,8 +1,10 @@
 """The operator's command line against a real database and real instances: the same views as
 the HTTP API (`--json`), tables for people, exit codes, trigger, cancel, outbox, catch-up.
 
-Most commands run in-process (`app.cli.main` in a worker thread, as `python -m app` calls it);
-the ones whose process boundary matters (exit status, the secret's way in) run as processes.
+Most commands run in-process (`app.cli.main` in a worker thread, as `python -m app` calls it),
+against an instance in-process too where the CLI reaches it through the database only; the
+ones whose process boundary matters (exit status, the secret's way in, `trigger` over HTTP,
+`serve`) run as processes.
 """
 
 from __future__ import annotations
@@ -27,18 +29,13 @@ import pytest
 
 from app import cli
 from tests.support import TEST_SECRET
+from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
 Starter = Callable[..., Any]
 REPO = Path(__file__).resolve().parent.parent
 DOWN_URL = "postgresql://nobody@127.0.0.1:9/none"
-
-
-@pytest.fixture
-async def client() -> Any:
-    async with httpx.AsyncClient(timeout=30) as c:
-        yield c
 
 
 @pytest.fixture
@@ -97,6 +94,13 @@ async def sleeping_in_sql(db: asyncpg.Connection) -> bool:
     )
 
 
+async def cancel_sleep(db: asyncpg.Connection) -> None:
+    """Cancel the statement slow-sql sleeps in: it fails at once, its lock released."""
+    await db.execute(
+        "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep%'"
+    )
+
+
 def without(value: Any, *keys: str) -> Any:
     """`value` with volatile keys (times measured at the moment of asking) dropped."""
     if isinstance(value, dict):
@@ -110,16 +114,16 @@ def without(value: Any, *keys: str) -> Any:
 
 
 async def test_json_output_is_what_the_http_api_answers(
-    start_instance: Starter,
+    start_app: StartApp,
     client: httpx.AsyncClient,
     db: asyncpg.Connection,
     cli_env: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    i = start_instance("svc")
+    i = await start_app("svc")
     await post(client, i.url + "/cron/fast")
     await post(client, i.url + "/cron/fails")
-    pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 3}))
+    pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 30}))
     await wait_for(lambda: lock_held(db, "slow-sql"), 10, "slow-sql to take its lock")
     for command, path in (("jobs", "/cron/jobs"), ("runs", "/cron/runs?limit=20")):
         result = await run_cli(capsys, command, "--json")
@@ -130,20 +134,21 @@ async def test_json_output_is_what_the_http_api_answers(
     api = (await client.get(i.url + "/cron/locks", headers=AUTH)).json()
     assert without(result.json(), "held_for") == without(api, "held_for")
     assert {lk["job"] for lk in result.json()["locks"]} == {"slow-sql", None}
-    await pending
+    await cancel_sleep(db)  # held as long as needed, then let go
+    assert (await pending).status_code == 500
 
 
 async def test_tables_for_people(
-    start_instance: Starter,
+    start_app: StartApp,
     client: httpx.AsyncClient,
     db: asyncpg.Connection,
     cli_env: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    i = start_instance("svc")
+    i = await start_app("svc")
     for _ in range(3):
         await post(client, i.url + "/cron/fast")
-    pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 3}))
+    pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 30}))
     await wait_for(lambda: lock_held(db, "slow-sql"), 10, "slow-sql to take its lock")
 
     jobs = await run_cli(capsys, "jobs")
@@ -172,7 +177,8 @@ async def test_tables_for_people(
     locks = await run_cli(capsys, "locks")
     assert locks.out.splitlines()[0].split()[:4] == ["JOB", "KEY", "PID", "HOLDER"]
     assert any(line.startswith("slow-sql ") and " svc " in line for line in locks.out.splitlines())
-    await pending
+    await cancel_sleep(db)
+    assert (await pending).status_code == 500
     assert (await run_cli(capsys, "locks")).out.strip() == "no advisory locks held"
 
 
@@ -204,6 +210,7 @@ async def test_commands_exit_3_when_the_database_is_down(
         assert "database unavailable" in result.err
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_commands_give_up_on_a_statement_that_never_answers(
     cli_env: dict[str, str],
     db: asyncpg.Connection,
@@ -213,7 +220,7 @@ async def test_commands_give_up_on_a_statement_that_never_answers(
     """A statement that does not come back (here it queues behind a lock, as behind a long
     migration; in production as often a frozen pooler) ends the command with exit 3 after
     DB_QUERY_TIMEOUT instead of hanging the operator's terminal or script."""
-    monkeypatch.setenv("DB_QUERY_TIMEOUT", "1")
+    monkeypatch.setenv("DB_QUERY_TIMEOUT", "0.5")
     commands = (["jobs"], ["runs"], ["outbox", "dead"], ["outbox", "requeue", "--all"])
     async with db.transaction():
         await db.execute("LOCK TABLE cronlock.runs, cronlock.email_outbox IN ACCESS EXCLUSIVE MODE")
@@ -222,13 +229,14 @@ async def test_commands_give_up_on_a_statement_that_never_answers(
             result = await run_cli(capsys, *args)
             took = time.monotonic() - started
             assert result.code == 3, (args, result.err)
-            assert "no answer from the database within 1 s" in result.err, result.err
-            assert took < 4, f"{args}: gave up after {took:.1f}s"
+            assert "no answer from the database within 0.5 s" in result.err, result.err
+            assert took < 0.5 + 3, f"{args}: gave up after {took:.1f}s"
     for args in commands:  # the same commands, unblocked: nothing was left behind
         result = await run_cli(capsys, *args)
         assert result.code == 0, (args, result.err)
 
 
+@pytest.mark.slow
 def test_exit_status_of_the_process(cli_env: dict[str, str]) -> None:
     assert run_process(cli_env, "run", "fast").returncode == 0
     failed = run_process(cli_env, "run", "fails")
@@ -381,13 +389,13 @@ async def test_trigger_exit_codes(
 
 
 async def test_cancel_rolls_the_run_back_and_records_it(
-    start_instance: Starter,
+    start_app: StartApp,
     client: httpx.AsyncClient,
     db: asyncpg.Connection,
     cli_env: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    i = start_instance("svc")
+    i = await start_app("svc")
     pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 20}))
     await wait_for(lambda: sleeping_in_sql(db), 10, "slow-sql to be in its pg_sleep")
     result = await run_cli(capsys, "cancel", "slow-sql", "--json")
@@ -410,14 +418,15 @@ async def test_cancel_rolls_the_run_back_and_records_it(
     assert (await post(client, i.url + "/cron/slow-sql", json={"seconds": 0})).status_code == 200
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_a_holder_between_statements_needs_terminate(
-    start_instance: Starter,
+    start_app: StartApp,
     client: httpx.AsyncClient,
     db: asyncpg.Connection,
     cli_env: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    i = start_instance("svc")
+    i = await start_app("svc")
     # `slow` sleeps in Python: its backend sits idle in transaction, where a cancel is ignored.
     pending = asyncio.create_task(post(client, i.url + "/cron/slow", json={"seconds": 4}))
     await wait_for(lambda: lock_held(db, "slow"), 10, "slow to take its lock")

@@ -8,10 +8,12 @@ import subprocess
 import sys
 
 import asyncpg
+import pytest
 
 from tests.support import TEST_SECRET
 
 
+@pytest.mark.slow
 async def test_drain_once_sends_everything_due_and_exits(
     database_url: str, db: asyncpg.Connection
 ) -> None:

@@ -12,12 +12,10 @@ import asyncio
 import contextlib
 import functools
 import random
-import shutil
 import signal
-import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,6 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.support.binaries import require_binary
 from tests.support.cluster import Cluster, Instance
 from tests.support.faults import (
     CLUSTER_ENV,
@@ -38,10 +35,8 @@ from tests.support.faults import (
     heal,
     reset,
     settle,
-    start_cluster,
     wait_ready,
 )
-from tests.support.postgres import PostgresServer, cloned_database
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -49,33 +44,15 @@ pytestmark = pytest.mark.cluster
 STORM = 1000
 
 
-@pytest.fixture(scope="module")
-async def cluster_db(pg_server: PostgresServer, template_database: str) -> AsyncIterator[str]:
-    async with cloned_database(pg_server, template_database, "faults") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def cluster(cluster_db: str) -> Iterator[Cluster]:
-    require_binary("pgbouncer")
-    require_binary("nginx")
-    root = Path(tempfile.mkdtemp(prefix="cronlock-faults-"))
-    started = start_cluster(root / "cluster", cluster_db)
-    try:
-        yield started
-    finally:
-        started.stop()
-        shutil.rmtree(root, ignore_errors=True)
-
-
 @pytest.fixture
-async def db(cluster_db: str) -> AsyncIterator[asyncpg.Connection]:
-    """Straight to PostgreSQL, not through PgBouncer: the observer of every test."""
-    conn = await asyncpg.connect(cluster_db, statement_cache_size=0)
-    try:
-        yield conn
-    finally:
-        await conn.close()
+def database_url(module_database_url: str) -> str:
+    """The module's database: its cluster runs on it, `db` looks at it straight."""
+    return module_database_url
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster: Callable[..., Cluster], module_database_url: str) -> Cluster:
+    return make_cluster(module_database_url)
 
 
 @pytest.fixture(autouse=True)
@@ -89,12 +66,6 @@ async def _fresh(
     # A PgBouncer that crashed (1.18 and cancel requests) fails the test with its log.
     assert cluster.pgbouncer is not None
     cluster.pgbouncer.check_alive()
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=60) as c:
-        yield c
 
 
 def pids(instances: list[Instance]) -> list[int]:
@@ -121,7 +92,7 @@ async def lock_free(db: asyncpg.Connection, job: str) -> bool:
 
 
 async def test_storm_of_1000_triggers_runs_the_job_once(
-    cluster: Cluster, db: asyncpg.Connection, cluster_db: str
+    cluster: Cluster, db: asyncpg.Connection, database_url: str
 ) -> None:
     """1,000 concurrent triggers of one slow job, through nginx and at each instance."""
     assert cluster.nginx is not None
@@ -136,7 +107,7 @@ async def test_storm_of_1000_triggers_runs_the_job_once(
     clients = {url: httpx.AsyncClient(timeout=60, limits=limits) for url in set(urls)}
     started = time.monotonic()
     try:
-        async with gate(cluster_db):
+        async with gate(database_url):
             tasks = [
                 asyncio.create_task(post(clients[url], url + "/cron/gated", json={}))
                 for url in urls

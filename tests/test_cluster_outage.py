@@ -21,7 +21,6 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.support.binaries import require_binary
 from tests.support.cluster import Cluster, Instance
 from tests.support.faults import (
     CLUSTER_ENV,
@@ -31,7 +30,6 @@ from tests.support.faults import (
     heal,
     reset,
     settle,
-    start_cluster,
 )
 from tests.support.postgres import ScratchPostgres, start_standby
 from tests.util import AUTH, lock_held, post, runs, wait_for
@@ -63,14 +61,8 @@ def postgres(root: Path) -> Iterator[ScratchPostgres]:
 
 
 @pytest.fixture(scope="module")
-def cluster(postgres: ScratchPostgres, root: Path) -> Iterator[Cluster]:
-    require_binary("pgbouncer")
-    require_binary("nginx")
-    started = start_cluster(root / "cluster", postgres.dsn())
-    try:
-        yield started
-    finally:
-        started.stop()
+def cluster(make_cluster: Callable[..., Cluster], postgres: ScratchPostgres) -> Cluster:
+    return make_cluster(postgres.dsn())
 
 
 @contextlib.asynccontextmanager
@@ -100,12 +92,6 @@ async def _fresh(
     cluster.pgbouncer.check_alive()
 
 
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=60) as c:
-        yield c
-
-
 def targets(cluster: Cluster) -> list[str]:
     """nginx and every instance."""
     assert cluster.nginx is not None
@@ -119,15 +105,22 @@ async def timed(request: Any) -> tuple[httpx.Response, float]:
 
 
 async def assert_unavailable(client: httpx.AsyncClient, cluster: Cluster) -> None:
-    """Triggers 503 with Retry-After everywhere, /readyz 503, /healthz 200, all promptly."""
-    for url in targets(cluster):
-        answer, took = await timed(post(client, url + "/cron/fast"))
+    """Triggers 503 with Retry-After everywhere, /readyz 503, /healthz 200, all promptly.
+    Each question is timed on its own, asked alongside others so that none waits for another's
+    timeout to run out first; but never two triggers at one instance at once (the second
+    would rightly be answered "already running" by the instance itself)."""
+    assert cluster.nginx is not None
+    direct = [timed(post(client, i.url + "/cron/fast")) for i in cluster.instances]
+    readies = [timed(client.get(i.url + "/readyz")) for i in cluster.instances]
+    answers = await asyncio.gather(*direct, *readies)
+    proxied = await timed(post(client, cluster.nginx.url + "/cron/fast"))
+    urls = [*(i.url for i in cluster.instances), cluster.nginx.url]
+    for url, (answer, took) in zip(urls, [*answers[: len(direct)], proxied], strict=True):
         body = assert_clean_error(answer, (503,))
         assert body["error"] == "database unavailable", body
         assert body["reason"], body
         assert took < ANSWER_BOUND, f"{url}: 503 after {took:.1f}s"
-    for instance in cluster.instances:
-        ready, took = await timed(client.get(instance.url + "/readyz"))
+    for instance, (ready, took) in zip(cluster.instances, answers[len(direct) :], strict=True):
         assert_clean_error(ready, (503,))
         assert took < ANSWER_BOUND, f"{instance.name} /readyz after {took:.1f}s"
         assert (await client.get(instance.url + "/healthz")).status_code == 200
@@ -270,8 +263,11 @@ async def test_pgbouncer_frozen_answers_503_not_never(
         assert (await post(client, instance.url + "/cron/fast")).status_code == 200
     cluster.pgbouncer.freeze()
     try:
-        for instance in cluster.instances:
-            answer, took = await timed(post(client, instance.url + "/cron/fast"))
+        # At once: each instance waits out its own timeout, not the others' too.
+        asked = [timed(post(client, instance.url + "/cron/fast")) for instance in cluster.instances]
+        for instance, (answer, took) in zip(
+            cluster.instances, await asyncio.gather(*asked), strict=True
+        ):
             body = assert_clean_error(answer, (503,))
             # An idle pooled connection waits DB_QUERY_TIMEOUT; a new one, the acquire timeout.
             assert body["reason"] in (

@@ -167,14 +167,14 @@ def test_a_job_must_be_async() -> None:
 
 
 async def test_instances_booting_together_migrate_once(
-    pg_server: Any, start_instance: Starter
+    pg_server: Any, start_instances: Callable[..., list[Any]]
 ) -> None:
     admin = await asyncpg.connect(pg_server.dsn("postgres"))
     name = "boot_" + "".join(random.choices(string.ascii_lowercase, k=8))
     await admin.execute(f"CREATE DATABASE {name}")
     try:
         url = pg_server.dsn(name)
-        instances = [start_instance(f"b{n}", {"DATABASE_URL": url}) for n in range(3)]
+        instances = start_instances(["b0", "b1", "b2"], {"DATABASE_URL": url})
         async with httpx.AsyncClient(timeout=10) as client:
             for instance in instances:
 

@@ -30,6 +30,7 @@ def load_script() -> ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_shown_output_is_current() -> None:
     """Every `<!-- output: STEP -->` block is what its commands print now, times aside."""
     script = load_script()

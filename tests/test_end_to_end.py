@@ -27,7 +27,7 @@ def provider() -> Iterator[Provider]:
 
 
 async def test_each_user_gets_exactly_one_email_per_slot(
-    start_instance: Starter, provider: Provider, db: asyncpg.Connection
+    start_instances: Starter, provider: Provider, db: asyncpg.Connection
 ) -> None:
     await db.execute(
         """INSERT INTO cronlock_demo.users (email, digest_enabled)
@@ -44,7 +44,7 @@ async def test_each_user_gets_exactly_one_email_per_slot(
         "OUTBOX_POLL_INTERVAL": "0.2",
         "OUTBOX_LEASE": "5",
     }
-    instances = [start_instance(f"e{n}", env) for n in range(3)]
+    instances = start_instances(["e0", "e1", "e2"], env)
     async with httpx.AsyncClient(timeout=30) as client:
         for _ in range(3):  # triggered again and again, on every instance
             answers = await asyncio.gather(

@@ -5,10 +5,7 @@ Never a 5xx, never an answer that leaks internals, nothing executed that should 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -16,10 +13,8 @@ import httpx
 import pytest
 
 from tests.support import TEST_SECRET, fuzz
-from tests.support.binaries import require_binary
 from tests.support.cluster import Cluster, Instance
-from tests.support.faults import LEAKS, reset, settle, start_cluster
-from tests.support.postgres import PostgresServer, cloned_database
+from tests.support.faults import LEAKS, reset, settle
 from tests.util import AUTH, effects, runs
 
 pytestmark = pytest.mark.cluster
@@ -30,29 +25,21 @@ SEED = 7
 EXAMPLES = 50
 
 
-@pytest.fixture(scope="module")
-async def hostile_db(pg_server: PostgresServer, template_database: str) -> AsyncIterator[str]:
-    async with cloned_database(pg_server, template_database, "hostile") as url:
-        yield url
+@pytest.fixture
+def database_url(module_database_url: str) -> str:
+    """The module's database: its cluster runs on it, `db` looks at it straight."""
+    return module_database_url
 
 
 @pytest.fixture(scope="module")
-def cluster(hostile_db: str) -> Iterator[Cluster]:
+def cluster(make_cluster: Callable[..., Cluster], module_database_url: str) -> Cluster:
     """Two instances behind nginx and PgBouncer, in the middle of a secret rotation."""
-    require_binary("pgbouncer")
-    require_binary("nginx")
-    root = Path(tempfile.mkdtemp(prefix="cronlock-hostile-"))
     env = {
         "CRON_JOBS": "tests.jobs",
         "CRON_SECRET_PREVIOUS": PREVIOUS,
         "MAX_BODY_BYTES": str(MAX_BODY),
     }
-    started = start_cluster(root / "cluster", hostile_db, instances=2, pool_per_instance=4, env=env)
-    try:
-        yield started
-    finally:
-        started.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    return make_cluster(module_database_url, instances=2, pool_per_instance=4, env=env)
 
 
 @pytest.fixture
@@ -66,20 +53,9 @@ def url(cluster: Cluster, report_logs: Callable[[list[Instance]], None]) -> Iter
     cluster.pgbouncer.check_alive()
 
 
-@pytest.fixture
-async def db(hostile_db: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(hostile_db, statement_cache_size=0)
-    try:
-        await reset(conn)
-        yield conn
-    finally:
-        await conn.close()
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=30) as c:
-        yield c
+@pytest.fixture(autouse=True)
+async def _fresh(db: asyncpg.Connection) -> None:
+    await reset(db)
 
 
 def assert_no_leak(answer: httpx.Response | Any) -> None:

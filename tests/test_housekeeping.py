@@ -9,23 +9,17 @@ from typing import Any
 
 import asyncpg
 import httpx
-import pytest
 
 from app import catchup, ops
 from app.db import Database
 from app.jobs import load
 from app.runner import Runner
 from app.settings import Settings
+from tests.support.asgi import StartApp
 from tests.util import effects, post, runs, wait_for
 
 Starter = Callable[..., Any]
 HOUSEKEEPING = {"CRON_JOBS": "tests.jobs,app.housekeeping", "LEDGER_RETENTION_DAYS": "30"}
-
-
-@pytest.fixture
-async def client() -> Any:
-    async with httpx.AsyncClient(timeout=30) as c:
-        yield c
 
 
 async def seed(db: asyncpg.Connection, job: str, status: str, age: timedelta) -> int:
@@ -52,7 +46,7 @@ def test_housekeeping_is_in_the_default_jobs() -> None:
 
 
 async def test_ledger_prune_keeps_the_retention_and_closes_abandoned_rows(
-    start_instance: Starter, client: httpx.AsyncClient, db: asyncpg.Connection
+    start_app: StartApp, client: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
     days = timedelta(days=1)
     old_ok = await seed(db, "fast", "succeeded", 40 * days)
@@ -62,7 +56,7 @@ async def test_ledger_prune_keeps_the_retention_and_closes_abandoned_rows(
     young_running = await seed(db, "slow-sql", "running", timedelta(minutes=5))
 
     # ledger-prune catches up its missed night as soon as the instance sees the database.
-    i = start_instance("keeper", HOUSEKEEPING)
+    i = await start_app("keeper", cron_jobs=HOUSEKEEPING["CRON_JOBS"], ledger_retention_days=30)
 
     async def pruned() -> bool:
         return any(r["status"] == "succeeded" for r in await runs(db, "ledger-prune"))
@@ -94,10 +88,10 @@ async def test_ledger_prune_keeps_the_retention_and_closes_abandoned_rows(
 
 
 async def test_a_missed_slot_is_caught_up_once_across_instances(
-    start_instance: Starter, db: asyncpg.Connection
+    start_instances: Callable[..., list[Any]], db: asyncpg.Connection
 ) -> None:
     env = {"CRON_JOBS": "tests.jobs,tests.catchup_jobs", "CATCH_UP_INTERVAL": "0.5"}
-    instances = [start_instance(f"c{n}", env) for n in range(3)]
+    instances = start_instances(["c0", "c1", "c2"], env)
 
     async def caught_up() -> bool:
         return bool(await runs(db, "catch-up-daily"))

@@ -5,6 +5,7 @@ In-process (the app behind httpx's ASGI transport), on a real database."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta, timezone
@@ -13,7 +14,7 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from app import inputs, ledger, ops
@@ -21,10 +22,22 @@ from app.db import Database
 from app.errors import DatabaseUnavailable, InvalidInput, translate
 from app.main import create_app
 from app.settings import Settings
-from tests.support.inproc import in_process
-from tests.util import runs
+from tests.support.asgi import serve
+from tests.util import AUTH, runs
 
 BIGINT_MAX = 2**63 - 1
+
+
+@contextlib.asynccontextmanager
+async def in_process(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of `app`, served in this process (tests/support/asgi.py), with the secret."""
+    async with (
+        serve(app, "inputs") as served,
+        httpx.AsyncClient(
+            transport=served.transport, base_url=served.url, headers=AUTH, timeout=30
+        ) as c,
+    ):
+        yield c
 
 
 @pytest.fixture

@@ -309,6 +309,7 @@ async def test_smtp_unreachable_relay_is_retryable() -> None:
     assert result.status == "retry"
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_smtp_timeout_bounds_the_whole_send() -> None:
     """A tarpit relay that answers every command within the timeout but is slow overall: the
     send gives up at its timeout, and nothing reaches the relay after it said "retry" (before,

@@ -1,16 +1,14 @@
-"""Prometheus metrics: exact values after known runs on a real instance, a registry per app,
-and a scrape that still answers while the database is down."""
+"""Prometheus metrics: exact values after known runs on an instance (in-process), a registry
+per app, and a scrape that still answers while the database is down."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
 
 import asyncpg
 import httpx
-import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,20 +17,13 @@ from app.main import create_app
 from app.metrics import Metrics
 from app.outcome import Outcome
 from app.settings import Settings
+from tests.support.asgi import StartApp
 from tests.util import post, runs, wait_for
-
-Starter = Callable[..., Any]
 
 METRICS_TOKEN = "metrics-token-0123456789-abcdefghijkl"
 SCRAPE = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-@pytest.fixture
-async def client() -> Any:
-    async with httpx.AsyncClient(timeout=30) as c:
-        yield c
 
 
 async def scrape(client: httpx.AsyncClient, url: str) -> Samples:
@@ -73,9 +64,9 @@ async def seed_outbox(db: asyncpg.Connection) -> None:
 
 
 async def test_metric_values_after_known_runs(
-    start_instance: Starter, client: httpx.AsyncClient, db: asyncpg.Connection
+    start_app: StartApp, client: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
-    i = start_instance("metrics", {"METRICS_TOKEN": METRICS_TOKEN})
+    i = await start_app("metrics", metrics_token=METRICS_TOKEN)
     for job in ("fast", "fast", "fails", "times-out", "yearly", "yearly"):
         await post(client, i.url + f"/cron/{job}")
     accepted = await post(client, i.url + "/cron/slow?wait=false", json={"seconds": 1})
@@ -140,11 +131,10 @@ async def test_metric_values_after_known_runs(
 
 
 async def test_metrics_answer_while_the_database_is_down(
-    start_instance: Starter, client: httpx.AsyncClient
+    start_app: StartApp, client: httpx.AsyncClient
 ) -> None:
-    down = start_instance(
-        "down",
-        {"DATABASE_URL": "postgresql://nobody@127.0.0.1:9/none", "METRICS_TOKEN": METRICS_TOKEN},
+    down = await start_app(
+        "down", database_url="postgresql://nobody@127.0.0.1:9/none", metrics_token=METRICS_TOKEN
     )
     r = await post(client, down.url + "/cron/fast")
     assert r.status_code == 503

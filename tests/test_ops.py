@@ -18,6 +18,7 @@ from app import ops
 from app.jobs import load
 from app.schedule import Schedule
 from tests.support import TEST_SECRET
+from tests.support.asgi import InProcess, StartApp
 from tests.util import AUTH, job_key, lock_held, post, runs, wait_for
 
 Starter = Callable[..., Any]
@@ -27,23 +28,29 @@ METRICS_TOKEN = "metrics-token-0123456789-abcdefghijkl"
 READ = {"Authorization": f"Bearer {READ_TOKEN}"}
 SCRAPE = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 TOKENS = {"CRON_READ_TOKEN": READ_TOKEN, "METRICS_TOKEN": METRICS_TOKEN}
+SETTINGS = {"cron_read_token": READ_TOKEN, "metrics_token": METRICS_TOKEN}
+DOWN_URL = "postgresql://nobody@127.0.0.1:9/none"
 MINUTELY = Schedule("* * * * *")
 
 
 @pytest.fixture
-async def client() -> Any:
-    async with httpx.AsyncClient(timeout=30) as c:
-        yield c
+async def instance(start_app: StartApp) -> InProcess:
+    return await start_app("ops", **SETTINGS)
 
 
 @pytest.fixture
-def instance(start_instance: Starter) -> Any:
-    return start_instance("ops", TOKENS)
+async def pair(start_app: StartApp) -> tuple[InProcess, InProcess]:
+    """One instance that runs jobs, one that an operator reads from (in-process: what one
+    sees of the other goes through the database only)."""
+    return (
+        await start_app("runner", **SETTINGS, backfill_window=900),
+        await start_app("reader", **SETTINGS, backfill_window=900),
+    )
 
 
 @pytest.fixture
-def pair(start_instance: Starter) -> tuple[Any, Any]:
-    """One instance that runs jobs, one that an operator reads from."""
+def processes(start_instance: Starter) -> tuple[Any, Any]:
+    """Two real instances (processes), for what runs once across them."""
     env = {**TOKENS, "BACKFILL_WINDOW": "900"}
     return start_instance("runner", env), start_instance("reader", env)
 
@@ -84,6 +91,7 @@ async def seed_run(
 # --- GET /cron/jobs and /cron/locks ---------------------------------------------------------
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_jobs_show_last_run_and_running_from_pg_locks(
     pair: tuple[Any, Any], client: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
@@ -128,6 +136,7 @@ async def test_jobs_show_last_run_and_running_from_pg_locks(
     assert slow["last_run"]["status"] == "succeeded"
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_locks_maps_keys_to_jobs_in_this_database_only(
     pair: tuple[Any, Any], client: httpx.AsyncClient, db: asyncpg.Connection, pg_server: Any
 ) -> None:
@@ -298,8 +307,9 @@ async def test_async_trigger_is_followed_until_it_finishes(
 
 
 async def test_backfill_of_a_past_tick_runs_once(
-    pair: tuple[Any, Any], client: httpx.AsyncClient, db: asyncpg.Connection
+    processes: tuple[Any, Any], client: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
+    pair = processes
     now: datetime = await db.fetchval("SELECT now()")
     past = MINUTELY.prev_tick(now) - timedelta(minutes=3)
     url = "/cron/minutely?slot=" + past.isoformat().replace("+", "%2B")
@@ -454,9 +464,9 @@ async def test_operator_routes_are_in_the_openapi_document(
 
 
 async def test_operator_routes_answer_503_while_the_database_is_down(
-    start_instance: Starter, client: httpx.AsyncClient
+    start_app: StartApp, client: httpx.AsyncClient
 ) -> None:
-    down = start_instance("down", {"DATABASE_URL": "postgresql://nobody@127.0.0.1:9/none"})
+    down = await start_app("down", database_url=DOWN_URL)
     for path in ("/cron/jobs", "/cron/runs", "/cron/runs/1", "/cron/locks"):
         r = await client.get(down.url + path, headers=AUTH)
         assert r.status_code == 503, (path, r.text)

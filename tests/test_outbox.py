@@ -601,6 +601,7 @@ async def test_expired_lease_cannot_overwrite_the_new_claim(
     assert (await row(db, key))["provider_message_id"] == "from-b"
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_a_slow_smtp_relay_gets_no_overlapping_attempts(
     db: asyncpg.Connection, outbox_settings: MakeSettings
 ) -> None:
@@ -689,6 +690,7 @@ async def test_listener_survives_an_error_that_is_not_an_outage(
         await until(lambda: len(provider.requests) == 1, 3, "delivery after NOTIFY")
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_rate_limit_is_shared_by_senders(
     db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
 ) -> None:
@@ -855,6 +857,7 @@ async def test_prune_deletes_only_old_sent_rows(db: asyncpg.Connection) -> None:
     assert [r["user_id"] for r in left] == [4, 5, 6]
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_prune_is_bounded_and_runs_one_at_a_time(
     db: asyncpg.Connection, outbox_settings: MakeSettings
 ) -> None:
@@ -987,6 +990,7 @@ def stop_workers(workers: list[subprocess.Popen[bytes]], log: Path) -> list[int]
     return codes
 
 
+@pytest.mark.slow
 async def test_ten_thousand_emails_three_processes(
     db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
 ) -> None:
@@ -1001,6 +1005,9 @@ async def test_ten_thousand_emails_three_processes(
         outbox_concurrency=8,
         outbox_lease=60,
     )
+    # A load test: coverage (the other outbox tests measure this code) would trace 10,000
+    # sends and take half the time the senders have.
+    env.pop("COVERAGE_PROCESS_CONFIG", None)
     log = tmp_path / "workers.log"
     workers = [start_worker(env, log) for _ in range(3)]
     try:
@@ -1035,6 +1042,7 @@ async def test_ten_thousand_emails_three_processes(
     assert senders == 1  # every row went out on its first claim
 
 
+@pytest.mark.slow
 async def test_drain_process_with_once_exits_when_nothing_is_due(
     db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
 ) -> None:
@@ -1048,6 +1056,7 @@ async def test_drain_process_with_once_exits_when_nothing_is_due(
     assert await counts(db) == {"sent": 25}
 
 
+@pytest.mark.slow
 async def test_drain_once_stops_at_sigterm(
     db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
 ) -> None:
@@ -1080,6 +1089,7 @@ async def test_drain_once_stops_at_sigterm(
             assert r["attempts"] == 0
 
 
+@pytest.mark.slow
 async def test_sender_killed_mid_batch(
     db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
 ) -> None:

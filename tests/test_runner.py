@@ -1,10 +1,13 @@
-"""Exactly once across several real instances (OS processes) sharing one database."""
+"""Exactly once across several real instances (OS processes) sharing one database.
+
+The module's tests share one database and one trio of instances, started once; each test
+begins with an empty ledger, no effects, no users and no emails."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -12,20 +15,44 @@ import asyncpg
 import httpx
 import pytest
 
+from tests.support.asgi import StartApp
+from tests.support.cluster import Instance
+from tests.support.faults import reset
+from tests.support.instances import Instances
 from tests.util import effects, lock_free, lock_held, post, runs, wait_for
 
 Starter = Callable[..., Any]
 
 
 @pytest.fixture
-async def client() -> Any:
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as c:
-        yield c
+def database_url(module_database_url: str) -> str:
+    """The module's database, which its trio of instances serves."""
+    return module_database_url
+
+
+@pytest.fixture(scope="module")
+def module_trio(
+    module_database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[Instance]]:
+    trio = Instances(module_database_url, tmp_path_factory.mktemp("trio"))
+    try:
+        yield trio.start_many(["i1", "i2", "i3"])
+    finally:
+        trio.stop()
 
 
 @pytest.fixture
-def trio(start_instance: Starter) -> list[Any]:
-    return [start_instance(f"i{n}") for n in range(1, 4)]
+def trio(
+    module_trio: list[Instance], report_logs: Callable[[Iterable[Instance]], None]
+) -> list[Instance]:
+    report_logs(module_trio)
+    return module_trio
+
+
+@pytest.fixture(autouse=True)
+async def _fresh(db: asyncpg.Connection) -> None:
+    await reset(db)
+    await db.execute("TRUNCATE cronlock_demo.users, cronlock.email_outbox RESTART IDENTITY")
 
 
 async def test_concurrent_triggers_over_three_instances_run_once(
@@ -139,10 +166,9 @@ async def test_frozen_holder_loses_the_lock_and_commits_nothing(
 
 
 async def test_digest_one_outbox_row_per_user_per_slot(
-    start_instance: Starter, client: Any, db: asyncpg.Connection
+    start_instances: Callable[..., list[Instance]], client: Any, db: asyncpg.Connection
 ) -> None:
-    env = {"CRON_JOBS": "app.demo.digest"}
-    trio = [start_instance(f"d{n}", env) for n in range(3)]
+    trio = start_instances(["d0", "d1", "d2"], {"CRON_JOBS": "app.demo.digest"})
     await db.execute(
         """INSERT INTO cronlock_demo.users (email, digest_enabled)
            SELECT 'u' || g || '@example.com', g % 10 <> 0 FROM generate_series(1, 500) g"""
@@ -173,11 +199,11 @@ async def test_digest_one_outbox_row_per_user_per_slot(
 
 
 async def test_digest_refuses_a_second_email_for_a_slot_loudly(
-    start_instance: Starter, client: Any, db: asyncpg.Connection
+    start_app: StartApp, client: Any, db: asyncpg.Connection
 ) -> None:
     """A user whose last digest was moved back by hand is due again, but already has this
     slot's email: the unique index fails the whole run, which commits nothing."""
-    i = start_instance("d", {"CRON_JOBS": "app.demo.digest"})
+    i = await start_app("d", cron_jobs="app.demo.digest")
     await db.execute(
         "INSERT INTO cronlock_demo.users (email)"
         " SELECT 'u' || g || '@example.com' FROM generate_series(1, 5) g"

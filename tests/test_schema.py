@@ -206,7 +206,7 @@ async def snapshot(conn: asyncpg.Connection, ours: tuple[str, ...] = OURS) -> di
 
 
 async def test_an_application_database_is_left_exactly_as_it_was(
-    fresh_url: str, fresh: asyncpg.Connection, run_cli: Cli, start_instance: Starter
+    fresh_url: str, fresh: asyncpg.Connection, run_cli: Cli, start_instances: Starter
 ) -> None:
     """Its own users, runs, email_outbox, migrations... in public: migrate, two instances,
     triggers, the digest, delivery and a ledger prune change nothing of it, and work with no
@@ -235,7 +235,7 @@ async def test_an_application_database_is_left_exactly_as_it_was(
         "OUTBOX_POLL_INTERVAL": "0.2",
         "LEDGER_RETENTION_DAYS": "0.00001",
     }
-    instances = [start_instance(f"app{n}", env, ready_path="/readyz") for n in range(2)]
+    instances = start_instances(["app0", "app1"], env, ready_path="/readyz")
     async with httpx.AsyncClient(timeout=30) as client:
         answers = await asyncio.gather(
             *(post(client, i.url + "/cron/daily-digest") for i in instances)
@@ -642,6 +642,7 @@ class CountingDatabase(Database):
         return await super().check(apply_migrations=apply_migrations)
 
 
+@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_the_watcher_backs_off_while_a_migration_keeps_failing(
     fresh_url: str, fresh: asyncpg.Connection
 ) -> None:
