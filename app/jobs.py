@@ -166,6 +166,10 @@ def job(
         raise JobDefinitionError(f"job {name!r}: {exc}") from exc
     if key is not None:
         _check_key(name, key, params)
+        if catch_up:
+            # Catch-up runs a missed slot with no trigger, so with no key to run it for; one
+            # per key would need the job's keys listed (fanning a tick out: later work).
+            raise JobDefinitionError(f"job {name!r}: a keyed job cannot catch_up (no key)")
 
     def register(func: JobFunc) -> JobFunc:
         if not inspect.iscoroutinefunction(func):

@@ -94,6 +94,12 @@ class Typed(BaseModel):
     when: datetime
 
 
+def test_a_keyed_job_cannot_catch_up() -> None:
+    """A catch-up run has no trigger, so no key to run for."""
+    with pytest.raises(JobDefinitionError, match="cannot catch_up"):
+        job("bad-key", schedule="0 * * * *", catch_up=True, key="customer_id", params=Params)
+
+
 @pytest.mark.parametrize("key", ["ratio", "flag", "maybe", "when"])
 def test_a_key_needs_a_type_with_one_stable_text(key: str) -> None:
     """A float, a bool, an optional value or a datetime has no one text a client agrees on."""
