@@ -178,7 +178,8 @@ def _openapi_for(job: Job) -> dict[str, Any]:
     extra: dict[str, Any] = {"parameters": parameters}
     if job.params is not None:
         extra["requestBody"] = {
-            "required": False,
+            # A keyed job's body carries its key: without one the trigger is a 422.
+            "required": job.key is not None,
             "content": {"application/json": {"schema": job.params.model_json_schema()}},
         }
     return extra
@@ -191,6 +192,7 @@ ACCEPTED_SCHEMA: dict[str, Any] = {
         "job": {"type": "string"},
         "run_id": {"type": "integer", "minimum": 1},
         "slot": {"type": ["string", "null"], "format": "date-time"},
+        "key": {"type": "string", "description": "a keyed job's key"},
     },
 }
 
@@ -201,6 +203,8 @@ def _describe(job: Job) -> str:
         parts.append(f"Schedule `{job.schedule.expr}` in {job.schedule.tz}.")
     else:
         parts.append("No schedule: protected against overlap only.")
+    if job.key is not None:
+        parts.append(f"Keyed by `{job.key}`: one run at a time per key, keys at once.")
     parts.append(f"Timeout {job.timeout:g} s.")
     return " ".join(parts)
 

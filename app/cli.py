@@ -85,6 +85,8 @@ JOB_NAME_MAX = 100
 ID = inputs.int_range(1, inputs.BIGINT_MAX)
 PARAMS = inputs.text(1_000_000)
 OPTION = inputs.text(2000)
+# A keyed job's key as its canonical text (app/jobs.py MAX_KEY_LENGTH).
+KEY = inputs.text(200)
 
 
 def job_name(text: str) -> str:
@@ -352,6 +354,7 @@ def add_ops_commands(sub: Any) -> None:
 
     runs = sub.add_parser("runs", help="run history, newest first")
     runs.add_argument("--job", type=job_name)
+    runs.add_argument("--key", type=KEY, help="one key's runs (keyed jobs), e.g. 42")
     runs.add_argument(
         "--status",
         choices=["running", "succeeded", "failed", "timed_out", "cancelled", "abandoned"],
@@ -398,6 +401,7 @@ def add_ops_commands(sub: Any) -> None:
         "cancel", help="cancel the running holder's statement (pg_cancel_backend); it rolls back"
     )
     cancel.add_argument("job", type=job_name)
+    cancel.add_argument("--key", type=KEY, help="a keyed job's run to cancel (its key)")
     cancel.add_argument(
         "--terminate",
         action="store_true",
@@ -562,7 +566,10 @@ async def cmd_jobs(args: argparse.Namespace, settings: Settings) -> int:
     for j in view.jobs:
         last = j.last_run
         running = None
-        if j.running_on is not None:
+        if j.key_field is not None and j.running_keys:
+            # Which keys run where: "42@i1 7@i2", the oldest first.
+            running = " ".join(f"{h.key}@{h.instance}" for h in j.running_keys)
+        elif j.running_on is not None:
             running = (
                 f"{j.running_on.instance} pid {j.running_on.pid} {_seconds(j.running_on.held_for)}"
             )
@@ -609,6 +616,7 @@ async def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
                 status=args.status,
                 before=args.before,
                 limit=args.limit,
+                key=args.key,
             )
     if args.json:
         _print_json(page.model_dump(mode="json"))
@@ -616,7 +624,7 @@ async def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
     rows = [
         [
             r.id,
-            r.job,
+            r.job if r.key is None else f"{r.job} [{r.key}]",
             _when(r.slot),
             "running" if r.running else r.status,
             r.trigger,
@@ -649,7 +657,7 @@ async def cmd_locks(args: argparse.Namespace, settings: Settings) -> int:
         return EXIT_OK
     rows = [
         [
-            lk.job or "(not a job)",
+            (lk.job or "(not a job)") if lk.job_key is None else f"{lk.job} [{lk.job_key}]",
             lk.key,
             lk.pid,
             lk.instance,
@@ -743,16 +751,24 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     # Waits up to --wait on purpose: ops.cancel bounds each step instead of the whole command.
     async with _connection(settings, bounded=False) as conn:
         done = await ops.cancel(
-            conn, registry, settings, args.job, terminate=args.terminate, wait=args.wait
+            conn,
+            registry,
+            settings,
+            args.job,
+            terminate=args.terminate,
+            wait=args.wait,
+            key=args.key,
         )
     if done is None:
-        return _fail(f"{args.job} is not running", EXIT_FAILED)
+        which = args.job if args.key is None else f"{args.job} key {args.key}"
+        return _fail(f"{which} is not running", EXIT_FAILED)
     first, run = done.holder, done.run
     result = {
         "job": args.job,
         "pid": first.pid,
         "instance": first.instance,
         "run_id": first.run_id,
+        "key": first.job_key,
         "signal": "terminate" if args.terminate else "cancel",
         "released": done.released,
         "run": run.model_dump(mode="json") if run is not None else None,

@@ -248,7 +248,9 @@ def _url(base: str, job: Job) -> str:
 
 
 def _scheduled(registry: Registry) -> list[Job]:
-    return [j for j in registry.values() if j.schedule is not None]
+    # A keyed job's trigger carries its key, which only its operator knows: an entry without
+    # one would be a 422 at every tick. One entry per key is theirs to write (docs/keyed-jobs.md).
+    return [j for j in registry.values() if j.schedule is not None and j.key is None]
 
 
 def _describe(job: Job, start: datetime) -> str:
@@ -306,6 +308,11 @@ def crontab(registry: Registry, *, url: str, header_file: str, start: datetime) 
     for job in registry.values():
         if job.schedule is None:
             out.append(f"\n# {job.name}: no schedule, trigger on demand only\n")
+            continue
+        if job.key is not None:
+            out.append(
+                f"\n# {job.name}: keyed by {job.key}: add one entry per key, with its body\n"
+            )
             continue
         out.append(f"\n# {_describe(job, start)}\n")
         note = _lateness_note(job, start)

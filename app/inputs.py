@@ -75,6 +75,14 @@ def check_timestamp(value: datetime) -> datetime:
     return value
 
 
+def check_text(value: str | None) -> str | None:
+    """A pydantic AfterValidator: ValueError (a 422 naming the field) for `text_problem`."""
+    problem = text_problem(value) if value is not None else None
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 # --- argparse types: a bad value is argparse's usage error (exit 2), never a traceback ----------
 
 

@@ -7,6 +7,10 @@ through the pool would run outside that transaction and the lock would protect n
 An SQL error inside the job aborts the whole transaction and so frees the lock at once; a job
 that must survive a failing statement wraps it in a savepoint (`async with ctx.conn.transaction():`
 inside the job opens one).
+
+A keyed job (`key=` names a field of its params) locks per key value: runs for different keys
+go at once, on one instance or several; a second run for the same key is "already running".
+The key's canonical text (`key_text`) is what is locked, stored in the ledger and shown.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from app.db import Conn
 from app.errors import InvalidTrigger, JobDefinitionError
-from app.inputs import json_problem
+from app.inputs import json_problem, text_problem
 from app.lock import LockKey, job_lock, lock_key
 from app.schedule import Schedule, ScheduleError
 from app.settings import Settings
@@ -33,6 +37,15 @@ RESERVED_NAMES = frozenset({"jobs", "runs", "locks"})
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 Trigger = Literal["scheduled", "manual", "backfill"]
+
+# The types a key field may have: those with one stable text form (str as is, int in decimal).
+# A float ("1.0" or "1"?), a datetime (which offset?) or a model would lock different texts
+# for what a client thinks is one value. bool is refused although it is an int: "True" is not
+# what anyone means by a customer id.
+KEY_TYPES: tuple[type, ...] = (str, int)
+# The key's text goes into the lock's hash, a ledger column and a unique index, whose rows
+# PostgreSQL caps at about 2.7 kB: a longer key would fail its commit, not its trigger.
+MAX_KEY_LENGTH = 200
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,8 @@ class JobContext:
     instance: str
     # The service's settings: a job reads its configuration here, not from the environment.
     settings: Settings
+    # A keyed job's key, as locked and stored (its canonical text, e.g. "42"); None otherwise.
+    key: str | None = None
 
     @property
     def schema(self) -> str:
@@ -75,10 +90,47 @@ class Job:
     params: type[BaseModel] | None = None
     description: str = ""
     module: str = ""
+    # The params field whose value is the run's key (keyed jobs), else None.
+    key: str | None = None
 
     @property
     def tz(self) -> str | None:
         return self.schedule.tz if self.schedule else None
+
+    def key_of(self, params: Any) -> str | None:
+        """The run's key for validated `params`: the key field's canonical text."""
+        if self.key is None:
+            return None
+        return key_text(getattr(params, self.key))
+
+
+def key_text(value: Any) -> str:
+    """A key value's canonical text: str as is, int in decimal (see KEY_TYPES)."""
+    if isinstance(value, bool) or not isinstance(value, KEY_TYPES):
+        # Unreachable for a field `_check_key` accepted, unless a validator of the job's
+        # model returns another type: the job's bug, found before anything is locked.
+        raise TypeError(f"a key must be a str or an int, not {type(value).__name__}")
+    return value if isinstance(value, str) else str(value)
+
+
+def _check_key(name: str, key: str, params: type[BaseModel] | None) -> None:
+    """Refuse a key that cannot be one, at declaration: not a field of the params, optional
+    (a trigger without it would have no key to lock), or of a type without a stable text."""
+    if params is None:
+        raise JobDefinitionError(f"job {name!r}: key={key!r} needs params= (the key is a field)")
+    field_info = params.model_fields.get(key)
+    if field_info is None:
+        raise JobDefinitionError(f"job {name!r}: key={key!r} is not a field of {params.__name__}")
+    if not field_info.is_required():
+        raise JobDefinitionError(
+            f"job {name!r}: key field {key!r} has a default: a trigger must carry its key"
+        )
+    annotation = field_info.annotation
+    if annotation is bool or annotation not in KEY_TYPES:
+        raise JobDefinitionError(
+            f"job {name!r}: key field {key!r} is {annotation!r}: a key must be str or int "
+            "(types with one stable text form)"
+        )
 
 
 _DECLARED: dict[str, Job] = {}
@@ -95,6 +147,7 @@ def job(
     grace: float = 300.0,
     catch_up: bool = False,
     params: type[BaseModel] | None = None,
+    key: str | None = None,
 ) -> Callable[[JobFunc], JobFunc]:
     """Declare a job. Jobs are collected from the modules named in the CRON_JOBS setting."""
     if not NAME_PATTERN.match(name):
@@ -111,6 +164,12 @@ def job(
         parsed = Schedule.parse(schedule, tz) if schedule is not None else None
     except ScheduleError as exc:
         raise JobDefinitionError(f"job {name!r}: {exc}") from exc
+    if key is not None:
+        _check_key(name, key, params)
+        if catch_up:
+            # Catch-up runs a missed slot with no trigger, so with no key to run it for; one
+            # per key would need the job's keys listed (fanning a tick out: later work).
+            raise JobDefinitionError(f"job {name!r}: a keyed job cannot catch_up (no key)")
 
     def register(func: JobFunc) -> JobFunc:
         if not inspect.iscoroutinefunction(func):
@@ -128,6 +187,7 @@ def job(
             params=params,
             description=(func.__doc__ or "").strip().split("\n")[0],
             module=func.__module__,
+            key=key,
         )
         previous = _DECLARED.get(name)
         if previous is not None and previous.module != declared.module:
@@ -160,9 +220,10 @@ class Registry(Mapping[str, Job]):
     def key(self, name: str) -> int:
         return self.lock(name).key
 
-    def lock(self, name: str) -> LockKey:
-        """The job's advisory lock key (see app/lock.py)."""
-        return lock_key(job_lock(self.schema, name), self.namespace)
+    def lock(self, name: str, key: str | None = None) -> LockKey:
+        """The advisory lock key of the job (of one of its keys, for a keyed job; see
+        app/lock.py)."""
+        return lock_key(job_lock(self.schema, name, key), self.namespace)
 
     def by_key(self) -> dict[int, str]:
         return {self.key(name): name for name in self.jobs}
@@ -225,4 +286,25 @@ def parse_params(job: Job, body: bytes) -> Any:
     if problem is not None:
         loc, msg = problem
         raise InvalidTrigger([{"type": "value_error", "loc": loc, "msg": f"Value {msg}"}])
+    if job.key is not None:
+        _check_key_value(job.key, getattr(params, job.key))
     return params
+
+
+def _check_key_value(field_name: str, value: Any) -> None:
+    """A key the lock, the ledger and its index can all take, or a 422 naming the field."""
+    try:
+        text = key_text(value)
+    except TypeError as exc:
+        raise InvalidTrigger(
+            [{"type": "key_error", "loc": [field_name], "msg": f"Value {exc}"}]
+        ) from exc
+    problem = text_problem(text)
+    if problem is None and not text:
+        problem = "is empty: a key needs at least one character"
+    if problem is None and len(text) > MAX_KEY_LENGTH:
+        problem = f"is longer than {MAX_KEY_LENGTH} characters as a key"
+    if problem is not None:
+        raise InvalidTrigger(
+            [{"type": "key_error", "loc": [field_name], "msg": f"Value {problem}"}]
+        )

@@ -17,8 +17,8 @@ from app.lock import JOB_KEY_SQL, PG_LOCKS_KEY, PG_LOCKS_OURS
 from app.sql import qualify
 
 COLUMNS = (
-    "id, job, slot, status, trigger, source, instance, backend_pid, started_at, finished_at,"
-    " duration_ms, params, result, error"
+    "id, job, key, slot, status, trigger, source, instance, backend_pid, started_at,"
+    " finished_at, duration_ms, params, result, error"
 )
 
 
@@ -26,6 +26,7 @@ COLUMNS = (
 class Run:
     id: int
     job: str
+    key: str | None  # a keyed job's key (its canonical text); None for a key-less job
     slot: datetime | None
     status: str
     trigger: str
@@ -48,22 +49,26 @@ def iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
+# Per (job, key, slot), coalesced as the unique index (migration 0005) is, so it answers.
 ALREADY_DONE_SQL = """
 SELECT EXISTS (
     SELECT 1 FROM {schema}.runs
-    WHERE job = $1 AND slot = $2 AND status = 'succeeded'
-      AND trigger IN ('scheduled', 'backfill')
+    WHERE job = $1 AND coalesce(key, '') = coalesce($3::text, '') AND slot = $2
+      AND status = 'succeeded' AND trigger IN ('scheduled', 'backfill')
 )
 """
 
 
-async def already_done(conn: Conn, schema: str, job: str, slot: datetime) -> bool:
-    return bool(await conn.fetchval(qualify(ALREADY_DONE_SQL, schema), job, slot))
+async def already_done(
+    conn: Conn, schema: str, job: str, slot: datetime, key: str | None = None
+) -> bool:
+    return bool(await conn.fetchval(qualify(ALREADY_DONE_SQL, schema), job, slot, key))
 
 
 START_SQL = """
-INSERT INTO {schema}.runs (job, slot, trigger, source, instance, backend_pid, started_at, params)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+INSERT INTO {schema}.runs
+    (job, slot, trigger, source, instance, backend_pid, started_at, params, key)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 RETURNING id
 """
 
@@ -80,6 +85,7 @@ async def start(
     backend_pid: int,
     started_at: datetime,
     params: Any,
+    key: str | None = None,
 ) -> int:
     """Record a run as `running`, committed at once (outside the lock transaction), so that a
     run in progress can be followed, and a run whose instance died is visible afterwards."""
@@ -93,6 +99,7 @@ async def start(
         backend_pid,
         started_at,
         params,
+        key,
     )
     assert isinstance(run_id, int)
     return run_id
@@ -147,6 +154,7 @@ SELECT {COLUMNS} FROM {{schema}}.runs
 WHERE ($1::text IS NULL OR job = $1)
   AND ($2::text IS NULL OR status = $2)
   AND ($3::bigint IS NULL OR id < $3)
+  AND ($5::text IS NULL OR key = $5)
 ORDER BY id DESC
 LIMIT $4
 """
@@ -160,9 +168,11 @@ async def list_runs(
     status: str | None = None,
     before: int | None = None,
     limit: int = 50,
+    key: str | None = None,
 ) -> list[Run]:
-    """Newest first; `before` is the cursor (a run id) for the next page."""
-    rows = await conn.fetch(qualify(LIST_SQL, schema), job, status, before, limit)
+    """Newest first; `before` is the cursor (a run id) for the next page; `key` keeps one
+    key's runs (of keyed jobs)."""
+    rows = await conn.fetch(qualify(LIST_SQL, schema), job, status, before, limit, key)
     return [Run.from_record(r) for r in rows]
 
 
@@ -180,7 +190,9 @@ async def last_runs(conn: Conn | asyncpg.Pool, schema: str, jobs: list[str]) -> 
 
 # A `running` row whose backend holds the job's advisory lock no more was left by an instance
 # that died (kill -9, lost connection): its transaction rolled back, so nothing of it
-# persisted. Matching the backend too closes it even while a newer run holds the lock.
+# persisted. Matching the backend too closes it even while a newer run holds the lock. A
+# keyed run's lock is its key's (the row's key is part of the hashed text).
+_RUN_KEY_SQL = JOB_KEY_SQL.format(schema="$4", job="r.job", key="r.key", namespace="$1")
 ABANDON_SQL = f"""
 UPDATE {{schema}}.runs r
 SET status = 'abandoned', finished_at = clock_timestamp(),
@@ -190,7 +202,7 @@ WHERE r.status = 'running'
   AND NOT EXISTS (
       SELECT 1 FROM pg_locks l
       WHERE {PG_LOCKS_OURS} AND l.granted
-        AND {PG_LOCKS_KEY} = {JOB_KEY_SQL.format(schema="$4", job="r.job", namespace="$1")}
+        AND {PG_LOCKS_KEY} = {_RUN_KEY_SQL}
         AND (r.backend_pid IS NULL OR l.pid = r.backend_pid)
   )
   AND ($2::text IS NULL OR r.job = $2)
@@ -243,18 +255,30 @@ async def last_succeeded_slots(
 
 
 RUNNING_BY_PID_SQL = """
-SELECT backend_pid, id FROM {schema}.runs
+SELECT backend_pid, id, job, key FROM {schema}.runs
 WHERE status = 'running' AND backend_pid = ANY($1::int[])
 ORDER BY id
 """
 
 
-async def running_by_pid(conn: Conn | asyncpg.Pool, schema: str, pids: list[int]) -> dict[int, int]:
-    """The `running` row of each lock-holding backend: pid -> run id (the newest wins)."""
+@dataclass(frozen=True)
+class Running:
+    """A `running` row as the lock views need it: which run, and of which job and key."""
+
+    id: int
+    job: str
+    key: str | None
+
+
+async def running_by_pid(
+    conn: Conn | asyncpg.Pool, schema: str, pids: list[int]
+) -> dict[int, Running]:
+    """The `running` row of each lock-holding backend: pid -> its run (the newest wins). A
+    keyed run's lock cannot be named from its hash alone: its row's key names it."""
     if not pids:
         return {}
     return {
-        r["backend_pid"]: r["id"]
+        r["backend_pid"]: Running(r["id"], r["job"], r["key"])
         for r in await conn.fetch(qualify(RUNNING_BY_PID_SQL, schema), pids)
     }
 

@@ -1,10 +1,12 @@
 """The transaction-level advisory lock and the derivation of its key: nothing else.
 
 Keys are `hashtextextended('<DB_SCHEMA>:<job>', LOCK_NAMESPACE)`, computed by the database
-in the lock statement. Advisory locks belong to the whole database, not to a schema, so the
-schema is part of every key: two deployments with different schemas in one database never
-share a lock. cronlock's own locks (migrations, catch-up) are `'<DB_SCHEMA>::<what>'`: a job
-name has no ':', so no job can take one of them.
+in the lock statement; a keyed job's run locks `'<DB_SCHEMA>:<job>:<key>'` (the key's canonical
+text). Neither a schema nor a job name has a ':', so the first two colons always tell schema,
+job and key apart, and no keyed text is ever a key-less job's. Advisory locks belong to the
+whole database, not to a schema, so the schema is part of every key: two deployments with
+different schemas in one database never share a lock. cronlock's own locks (migrations,
+catch-up) are `'<DB_SCHEMA>::<what>'`: a job name has no ':', so no job can take one of them.
 
 The hash is mirrored here (PostgreSQL's `hash_bytes_extended`, the little-endian variant every
 mainstream server runs) so that colliding job names are refused at start-up even while the
@@ -130,8 +132,12 @@ PG_LOCKS_OURS = (
 )
 # A row's key as `hashtextextended` returns it: classid is the high half, objid the low one.
 PG_LOCKS_KEY = "((l.classid::bigint << 32) | l.objid::bigint)"
-# A job's key in SQL (see `job_lock`), from the schema, the job name and the namespace.
-JOB_KEY_SQL = "hashtextextended({schema} || ':' || {job}, {namespace})"
+# A job's key in SQL (see `job_lock`), from the schema, the job name, the run's key (NULL for
+# a key-less job: `':' || NULL` is NULL, so coalesce leaves the text as before keys) and the
+# namespace.
+JOB_KEY_SQL = (
+    "hashtextextended({schema} || ':' || {job} || coalesce(':' || {key}, ''), {namespace})"
+)
 
 # The article's diagnostic: advisory locks joined to the sessions that hold (or wait for) them.
 HELD_SQL = f"""
@@ -154,9 +160,15 @@ def lock_key(name: str, namespace: int) -> LockKey:
     return LockKey(hashtextextended(name, namespace))
 
 
-def job_lock(schema: str, job: str) -> str:
-    """The text a job's lock key is hashed from."""
-    return f"{schema}:{job}"
+def job_lock(schema: str, job: str, key: str | None = None) -> str:
+    """The text a job's lock key is hashed from; a keyed job's run adds its key's text.
+
+    A key-less job's text is what it always was, so an upgrade changes no lock. Different
+    texts can still hash alike: among n distinct texts the odds that any two share a 64-bit key
+    are about n**2 / 2**65 (the birthday bound: 1 in 34 million for a million keys). A
+    collision only makes two keys take turns ("already running"), never one run twice.
+    """
+    return f"{schema}:{job}" if key is None else f"{schema}:{job}:{key}"
 
 
 def internal_lock(schema: str, what: str) -> str:
@@ -277,7 +289,9 @@ async def reset_session(
 # 0003), whose plans the server keeps per connection: planning them at every trigger cost
 # more than running them (bench/trigger.py). A job without a schedule has no slot to be done:
 # the ledger is not read.
-PROBE_SQL = "SELECT db_now, standby, done_slot, running FROM {schema}.probe($1, $2, $3, $4, $5)"
+# Migration 0005 gave the function the run's key (the ledger's done slot is per key); its
+# five-argument form stays for instances of the previous release during a rolling deploy.
+PROBE_SQL = "SELECT db_now, standby, done_slot, running FROM {schema}.probe($1, $2, $3, $4, $5, $6)"
 
 
 async def probe(
@@ -288,6 +302,7 @@ async def probe(
     *,
     scheduled: bool = True,
     done_hint: datetime | None = None,
+    run_key: str | None = None,
 ) -> asyncpg.Record:
     """Returns `db_now`, `standby`, `done_slot` (None without a ledger look) and `running`.
 
@@ -295,7 +310,7 @@ async def probe(
     (if the database's clock agrees), so the lock table was not read.
     """
     row = await conn.fetchrow(
-        qualify(PROBE_SQL, schema), name, key.classid, key.objid, scheduled, done_hint
+        qualify(PROBE_SQL, schema), name, run_key, key.classid, key.objid, scheduled, done_hint
     )
     assert row is not None
     return row

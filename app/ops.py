@@ -9,6 +9,10 @@ exactly while its run's transaction does, whereas a ledger row says `running` un
 writes otherwise, which a killed instance never does. Such rows are closed as `abandoned`
 (`ledger.close_abandoned`) whenever jobs or runs are listed.
 
+A keyed run's lock is a hash of its key, which cannot be turned back into the key: the lock
+is named by the `running` row its backend recorded (backend pid and key), once the hash of
+that row's job and key is seen to be the lock's.
+
 Overdue: a job is overdue when the newest tick whose grace period has passed (the *due slot*)
 has no succeeded scheduled or backfill run, and no later tick has one either. Measuring
 against the newest success (rather than only the current slot) keeps a job overdue from a
@@ -27,7 +31,7 @@ from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal, get_args
 
 import asyncpg
-from pydantic import BaseModel, ConfigDict, PlainSerializer
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from app import ledger, outbox
 from app.db import Conn, deadline
@@ -69,6 +73,8 @@ class LockView(BaseModel):
     """One advisory lock in this database, mapped back to its job where it is one."""
 
     job: str | None
+    # A keyed job's run: its key (canonical text). Not `key`, which is the lock's own key.
+    job_key: str | None = None
     # The 64-bit key as a string (JSON numbers lose precision above 2**53 in JavaScript and
     # jq), and as pg_locks shows it: classid = high 32 bits, objid = low 32 bits.
     key: str
@@ -86,6 +92,7 @@ class LockView(BaseModel):
 class RunView(BaseModel):
     id: int
     job: str
+    key: str | None  # a keyed job's key; None for a key-less job
     slot: Timestamp | None
     status: RunStatus
     trigger: str
@@ -133,6 +140,7 @@ class Holder(BaseModel):
     state: str | None
     held_for: float | None
     run_id: int | None
+    key: str | None = Field(default=None, validation_alias="job_key")  # a keyed run's key
 
 
 class JobView(BaseModel):
@@ -145,6 +153,9 @@ class JobView(BaseModel):
     early_tolerance: float
     max_lateness: float | None
     catch_up: bool
+    # The params field a keyed job locks on, else None. A keyed job's runs lock per key (see
+    # `running_keys`); `lock_key` is then the key-less text's, which no run takes.
+    key_field: str | None
     lock_key: str  # a 64-bit integer, as a string (see LockView.key)
     current_slot: Timestamp | None
     next_slot: Timestamp | None
@@ -152,7 +163,8 @@ class JobView(BaseModel):
     last_success_slot: Timestamp | None
     last_run: LastRun | None
     running: bool
-    running_on: Holder | None
+    running_on: Holder | None  # the oldest holder, for a keyed job one of `running_keys`
+    running_keys: list[Holder]  # every run in progress, with its key: which keys run where
     overdue: bool
 
 
@@ -201,13 +213,26 @@ async def locks(conn: Conn, registry: Registry) -> list[LockView]:
     rows = await held_locks(conn)
     names = _names(registry)
     granted = [r["pid"] for r in rows if r["granted"]]
-    run_ids = await ledger.running_by_pid(conn, registry.schema, granted)
+    running = await ledger.running_by_pid(conn, registry.schema, granted)
     found = []
     for r in rows:
         key = LockKey.from_pg_locks(r["classid"], r["objid"]).key
+        run = running.get(r["pid"]) if r["granted"] else None
+        job, job_key = names.get(key), None
+        # The backend's keyed run, if this lock is that run's (the backend may hold other
+        # locks too: a job takes its own).
+        if (
+            job is None
+            and run is not None
+            and run.key is not None
+            and run.job in registry
+            and registry.lock(run.job, run.key).key == key
+        ):
+            job, job_key = run.job, run.key
         found.append(
             LockView(
-                job=names.get(key),
+                job=job,
+                job_key=job_key,
                 key=str(key),
                 classid=r["classid"],
                 objid=r["objid"],
@@ -217,14 +242,19 @@ async def locks(conn: Conn, registry: Registry) -> list[LockView]:
                 state=r["state"],
                 held_for=round(r["held_for"], 3) if r["held_for"] is not None else None,
                 granted=r["granted"],
-                run_id=run_ids.get(r["pid"]) if r["granted"] else None,
+                run_id=run.id if run is not None else None,
             )
         )
     return found
 
 
-def _holders(held: list[LockView], registry: Registry) -> dict[str, LockView]:
-    return {lk.job: lk for lk in held if lk.granted and lk.job is not None and lk.job in registry}
+def _holders(held: list[LockView], registry: Registry) -> dict[tuple[str, str | None], LockView]:
+    """The job locks held now, by (job, key); oldest holder first, as `locks` orders them."""
+    return {
+        (lk.job, lk.job_key): lk
+        for lk in held
+        if lk.granted and lk.job is not None and lk.job in registry
+    }
 
 
 async def sweep(conn: Conn, settings: Settings, job: str | None = None) -> list[int]:
@@ -256,7 +286,7 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
                 current = job.schedule.prev_tick(now)
                 nxt = job.schedule.next_tick(now)
         run = last.get(job.name)
-        holder = holders.get(job.name)
+        running = [Holder.model_validate(h) for (j, _), h in holders.items() if j == job.name]
         views.append(
             JobView(
                 name=job.name,
@@ -268,25 +298,28 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
                 early_tolerance=job.early_tolerance,
                 max_lateness=job.max_lateness,
                 catch_up=job.catch_up,
+                key_field=job.key,
                 lock_key=str(registry.key(job.name)),
                 current_slot=current,
                 next_slot=nxt,
                 due_slot=due_slot(job, now),
                 last_success_slot=succeeded.get(job.name),
                 last_run=LastRun.model_validate(run) if run is not None else None,
-                running=holder is not None,
-                running_on=Holder.model_validate(holder) if holder is not None else None,
+                running=bool(running),
+                running_on=running[0] if running else None,
+                running_keys=running,
                 overdue=is_overdue(job, now, succeeded.get(job.name)),
             )
         )
     return JobsView(now=now, jobs=views)
 
 
-def _run_view(run: ledger.Run, held: dict[str, LockView]) -> RunView:
-    holder = held.get(run.job)
+def _run_view(run: ledger.Run, held: dict[tuple[str, str | None], LockView]) -> RunView:
+    holder = held.get((run.job, run.key))
     return RunView(
         id=run.id,
         job=run.job,
+        key=run.key,
         slot=run.slot,
         status=run.status,
         trigger=run.trigger,
@@ -310,10 +343,11 @@ async def runs(
     status: str | None = None,
     before: int | None = None,
     limit: int = 50,
+    key: str | None = None,
 ) -> RunsPage:
     """Newest first; one row more than asked tells whether there is a next page."""
     found = await ledger.list_runs(
-        conn, registry.schema, job=job, status=status, before=before, limit=limit + 1
+        conn, registry.schema, job=job, status=status, before=before, limit=limit + 1, key=key
     )
     page, more = found[:limit], len(found) > limit
     held = _holders(await locks(conn, registry), registry)
@@ -365,16 +399,25 @@ async def cancel(
     *,
     terminate: bool,
     wait: float,
+    key: str | None = None,
 ) -> Cancelled | None:
     """Cancel (or terminate) the backend holding `job`'s lock and wait up to `wait` seconds for
-    the lock to go; None when the job is not running. Each step is bounded by
-    DB_QUERY_TIMEOUT, not the whole wait (`conn` is not bounded)."""
+    the lock to go; None when the job is not running. For a keyed job, `key` picks the run
+    (without it, the oldest of its runs). Each step is bounded by DB_QUERY_TIMEOUT, not the
+    whole wait (`conn` is not bounded)."""
 
     async def holder() -> LockView | None:
         with deadline(conn, settings.db_query_timeout):
             async with reading(conn):
                 found = await locks(conn, registry)
-        return next((lk for lk in found if lk.job == job and lk.granted), None)
+        return next(
+            (
+                lk
+                for lk in found
+                if lk.job == job and lk.granted and (key is None or lk.job_key == key)
+            ),
+            None,
+        )
 
     async def send(pid: int, *, terminate: bool) -> bool:
         with deadline(conn, settings.db_query_timeout):

@@ -24,21 +24,30 @@ class Outcome:
     duration_ms: float | None = None
     reason: str | None = None
     trigger: Trigger = "scheduled"
+    key: str | None = None  # a keyed job's key, shown in every answer about its run
 
 
 def answer(outcome: Outcome) -> tuple[int, dict[str, Any]]:
     """The HTTP status and JSON body that answer a trigger (the CLI prints the same body)."""
-    ids = {"job": outcome.job, "run_id": outcome.run_id}
+    # A key-less job's answers are as they were before keys: no "key" member at all.
+    ids: dict[str, Any] = {"job": outcome.job, "run_id": outcome.run_id}
+    if outcome.key is not None:
+        ids["key"] = outcome.key
     if outcome.kind == "succeeded":
-        return 200, {
+        done: dict[str, Any] = {
             "job": outcome.job,
             "processed": outcome.processed,
             "run_id": outcome.run_id,
             "slot": iso(outcome.slot),
             "duration_ms": outcome.duration_ms,
         }
+        if outcome.key is not None:
+            done["key"] = outcome.key
+        return 200, done
     if outcome.kind == "skipped":
         body: dict[str, Any] = {"job": outcome.job, "skipped": True, "reason": outcome.reason}
+        if outcome.key is not None:
+            body["key"] = outcome.key
         if outcome.slot is not None:
             body["slot"] = iso(outcome.slot)
         return 200, body

@@ -9,12 +9,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
+from pydantic import AfterValidator
 
 from app import ledger
 from app.deps import DatabaseDep, RegistryDep, RunnerDep, SettingsDep, error
 from app.errors import DatabaseUnavailable
-from app.inputs import BIGINT_MAX
-from app.jobs import NAME_PATTERN
+from app.inputs import BIGINT_MAX, check_text
+from app.jobs import MAX_KEY_LENGTH, NAME_PATTERN
 from app.metrics import CONTENT_TYPE
 from app.ops import (
     NOW_SQL,
@@ -87,6 +88,11 @@ async def get_runs(
         None
     ),
     status: RunStatus | None = None,
+    key: Annotated[
+        str | None,
+        Query(max_length=MAX_KEY_LENGTH, description="a keyed job's key, e.g. 42"),
+        AfterValidator(check_text),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     before: Annotated[
         int | None, Query(ge=1, le=BIGINT_MAX, description="the `next` of the previous page")
@@ -96,7 +102,9 @@ async def get_runs(
     async with db.connection() as conn:
         await sweep(conn, settings, job)
         async with reading(conn, input_from=("query",)):
-            return await runs(conn, registry, job=job, status=status, before=before, limit=limit)
+            return await runs(
+                conn, registry, job=job, status=status, before=before, limit=limit, key=key
+            )
 
 
 @router.get(

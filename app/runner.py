@@ -79,10 +79,11 @@ class Runner:
         self.registry = registry
         self.db = db
         self.metrics = metrics
-        # Jobs this instance is running (or deciding about) now: a second trigger for one of
-        # them is answered "already running" without touching the database, so skips stay
-        # answerable even when long jobs hold every pooled connection.
-        self.local: dict[str, int | None] = {}
+        # Jobs this instance is running (or deciding about) now, per key for keyed jobs (None
+        # for the others): a second trigger for one of them is answered "already running"
+        # without touching the database, so skips stay answerable even when long jobs hold
+        # every pooled connection. Other keys of a keyed job go on to their own locks.
+        self.local: dict[tuple[str, str | None], int | None] = {}
         self.background: set[asyncio.Task[Outcome]] = set()
         # Lock transactions at once, at most one fewer than the pool's connections: each also
         # needs a second connection for a moment (its ledger row commits outside it), and if
@@ -109,34 +110,48 @@ class Runner:
         trigger: Trigger = "manual" if force else "backfill" if slot is not None else "scheduled"
         if slot is not None:
             self._check_backfill_slot(job, slot, force)
-        if job.name in self.local:
-            return self._skip(job, "already running", None, trigger, source)
-        self.local[job.name] = None
+        # A keyed job's params were validated (app/jobs.py `parse_params`), its key with them.
+        key = job.key_of(params)
+        local = (job.name, key)
+        if local in self.local:
+            return self._skip(job, "already running", None, trigger, source, key)
+        self.local[local] = None
         handed_off = False
         try:
             if trigger == "scheduled" and self.probe_keys:
-                skipped = await self._probe(job, source)
+                skipped = await self._probe(job, key, source)
                 if skipped is not None:
                     return skipped
-            lease_or_skip = await self._acquire(job, trigger, slot, params, source)
+            lease_or_skip = await self._acquire(job, key, trigger, slot, params, source)
             if isinstance(lease_or_skip, Outcome):
                 return lease_or_skip
             lease = lease_or_skip
-            self.local[job.name] = lease.ctx.run_id
+            self.local[local] = lease.ctx.run_id
             if not wait:
                 task = asyncio.create_task(self._finish(lease, source))
                 self.background.add(task)
                 task.add_done_callback(self.background.discard)
                 handed_off = True
                 return Outcome(
-                    job.name, "accepted", lease.ctx.run_id, lease.ctx.slot, trigger=trigger
+                    job.name,
+                    "accepted",
+                    lease.ctx.run_id,
+                    lease.ctx.slot,
+                    trigger=trigger,
+                    key=key,
                 )
             return await self._finish(lease, source)
         finally:
             if not handed_off:
-                self.local.pop(job.name, None)
+                self.local.pop(local, None)
 
-    async def _probe(self, job: Job, source: str) -> Outcome | None:
+    def _lock_key(self, job: Job, key: str | None) -> LockKey:
+        """The probe's key for the run: the job's (checked against the server's), or, for a
+        keyed run, hashed here by the same mirror."""
+        assert self.probe_keys is not None
+        return self.probe_keys[job.name] if key is None else self.registry.lock(job.name, key)
+
+    async def _probe(self, job: Job, key: str | None, source: str) -> Outcome | None:
         """The cheap first look: skip without a transaction when the lock is visibly held or
         this instance already knows the slot is done; None means "go and try for real"."""
         await self.db.ensure_ready()
@@ -152,9 +167,10 @@ class Runner:
                     conn,
                     self.settings.db_schema,
                     job.name,
-                    self.probe_keys[job.name],
+                    self._lock_key(job, key),
                     scheduled=job.schedule is not None,
                     done_hint=self._done_hint(job),
+                    run_key=key,
                 )
         except DRIVER_ERRORS as exc:
             raise translate(exc) from exc
@@ -167,9 +183,9 @@ class Runner:
         if job.schedule is not None:
             slot = job.schedule.slot_for(row["db_now"], job.early_tolerance)
             if row["done_slot"] == slot:
-                return self._skip(job, "already done", slot, "scheduled", source)
+                return self._skip(job, "already done", slot, "scheduled", source, key)
         if row["running"]:
-            return self._skip(job, "already running", None, "scheduled", source)
+            return self._skip(job, "already running", None, "scheduled", source, key)
         # running is None: the hint named a done slot the database's clock disagrees with (a
         # tick between the two clocks), so the lock was not looked at; the real attempt decides.
         return None
@@ -207,7 +223,13 @@ class Runner:
             raise InvalidTrigger(f"{slot.isoformat()} is not a tick of {job.schedule.expr!r}")
 
     async def _acquire(
-        self, job: Job, trigger: Trigger, backfill: datetime | None, params: Any, source: str
+        self,
+        job: Job,
+        key: str | None,
+        trigger: Trigger,
+        backfill: datetime | None,
+        params: Any,
+        source: str,
     ) -> _Lease | Outcome:
         await self.db.ensure_ready()
         try:
@@ -229,7 +251,7 @@ class Runner:
                 await tx.start()
                 row = await try_lock(
                     conn,
-                    job_lock(self.settings.db_schema, job.name),
+                    job_lock(self.settings.db_schema, job.name, key),
                     self.settings.lock_namespace,
                     db_timeout=job.timeout + self.settings.db_timeout_margin,
                     client_check_interval=self.settings.db_client_check_interval,
@@ -239,11 +261,11 @@ class Runner:
                     self.db.standby, self.db.migrated = True, False
                     raise DatabaseUnavailable(STANDBY_REASON)
                 if not row["locked"]:
-                    return self._skip(job, "already running", None, trigger, source)
+                    return self._skip(job, "already running", None, trigger, source, key)
                 now: datetime = row["db_now"]
-                skip, slot = await self._slot(conn, job, trigger, backfill, now)
+                skip, slot = await self._slot(conn, job, key, trigger, backfill, now)
             if skip is not None:
-                return self._skip(job, skip, slot, trigger, source)
+                return self._skip(job, skip, slot, trigger, source, key)
             async with self.db.connection() as other:
                 run_id = await ledger.start(
                     other,
@@ -258,6 +280,7 @@ class Runner:
                     params=params.model_dump(mode="json")
                     if hasattr(params, "model_dump")
                     else None,
+                    key=key,
                 )
             ctx = JobContext(
                 conn=conn,
@@ -269,6 +292,7 @@ class Runner:
                 trigger=trigger,
                 instance=self.settings.instance_name,
                 settings=self.settings,
+                key=key,
             )
             handed_over = True
             return _Lease(job, conn, tx, ctx)
@@ -287,6 +311,7 @@ class Runner:
         self,
         conn: Conn,
         job: Job,
+        key: str | None,
         trigger: Trigger,
         backfill: datetime | None,
         now: datetime,
@@ -307,7 +332,7 @@ class Runner:
             slot = job.schedule.slot_for(now, job.early_tolerance)
             if trigger == "manual":
                 return None, slot
-        if await ledger.already_done(conn, self.settings.db_schema, job.name, slot):
+        if await ledger.already_done(conn, self.settings.db_schema, job.name, slot, key):
             return "already done", slot
         late = job.max_lateness is not None and now - slot > timedelta(seconds=job.max_lateness)
         if trigger == "scheduled" and late:
@@ -354,7 +379,7 @@ class Runner:
             await self._rollback(lease, status, f"{type(error).__name__}: {error}"[:2000])
             return self._outcome(lease, status, source, reason=str(error)[:200])
         finally:
-            self.local.pop(job.name, None)
+            self.local.pop((job.name, ctx.key), None)
             try:
                 await self.db.release(conn)
             finally:
@@ -428,14 +453,21 @@ class Runner:
             round(duration, 3),
             reason,
             lease.ctx.trigger,
+            lease.ctx.key,
         )
         self._log(outcome, source)
         return outcome
 
     def _skip(
-        self, job: Job, reason: str, slot: datetime | None, trigger: Trigger, source: str
+        self,
+        job: Job,
+        reason: str,
+        slot: datetime | None,
+        trigger: Trigger,
+        source: str,
+        key: str | None = None,
     ) -> Outcome:
-        outcome = Outcome(job.name, "skipped", slot=slot, reason=reason, trigger=trigger)
+        outcome = Outcome(job.name, "skipped", slot=slot, reason=reason, trigger=trigger, key=key)
         self._log(outcome, source)
         return outcome
 
@@ -457,6 +489,7 @@ class Runner:
             extra={
                 "event": "run" if outcome.run_id else "trigger",
                 "job": outcome.job,
+                "key": outcome.key,
                 "outcome": outcome.kind,
                 "reason": outcome.reason,
                 "run_id": outcome.run_id,

@@ -206,3 +206,40 @@ async def note(ctx: JobContext) -> dict[str, str]:
     (PostgreSQL refuses a NUL there, which a JSON string can carry as \\u0000)."""
     await record(ctx)
     return {"text": ctx.params.text}
+
+
+# --- keyed jobs (tests/test_keyed.py) ------------------------------------------------------
+
+
+class Customer(BaseModel):
+    customer_id: int = Field(ge=1)
+    seconds: float = Field(default=0.0, ge=0, le=30)
+
+
+@job("keyed", key="customer_id", params=Customer, timeout=20)
+async def keyed(ctx: JobContext) -> dict[str, Any]:
+    """One run at a time per customer: hold the key's lock, then record one effect (after
+    the wait: `record` serialises its writers until they commit, and keys must overlap)."""
+    await asyncio.sleep(ctx.params.seconds)
+    await record(ctx)
+    return {"key": ctx.key}
+
+
+@job("keyed-yearly", schedule="0 0 1 1 *", key="customer_id", params=Customer, timeout=20)
+async def keyed_yearly(ctx: JobContext) -> dict[str, Any]:
+    """Once per (customer, slot): a trigger carries the key it runs for (waits first, as
+    `keyed` does)."""
+    await asyncio.sleep(ctx.params.seconds)
+    await record(ctx)
+    return {"key": ctx.key}
+
+
+class Account(BaseModel):
+    account: str = Field(min_length=1, max_length=200)
+
+
+@job("keyed-fast", key="account", params=Account)
+async def keyed_fast(ctx: JobContext) -> str | None:
+    """A str key, returned at once (the fuzzer triggers it)."""
+    await record(ctx)
+    return ctx.key

@@ -141,7 +141,7 @@ async def test_a_trigger_waits_for_migrations_at_most_the_query_timeout(
     instance has seen the database ready answers 503 after DB_QUERY_TIMEOUT instead of queueing
     behind the migration for as long as it takes; once the lock goes, the shared check ends."""
     # The probe's migration is pending, as after an upgrade of the code.
-    await db.execute("DROP FUNCTION cronlock.probe")
+    await db.execute("DROP FUNCTION cronlock.probe(text, oid, oid, boolean, timestamptz)")
     await db.execute("DELETE FROM cronlock.migrations WHERE module = 'cronlock' AND version = 3")
     database = Database(make_settings(db_query_timeout=1.0))
     await database.open()

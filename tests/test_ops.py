@@ -459,7 +459,7 @@ async def test_operator_routes_are_in_the_openapi_document(
     for path in ("/cron/jobs", "/cron/runs", "/cron/runs/{run_id}", "/cron/locks", "/metrics"):
         assert "get" in doc["paths"][path], path
     params = {p["name"] for p in doc["paths"]["/cron/runs"]["get"]["parameters"]}
-    assert params == {"job", "status", "limit", "before"}
+    assert params == {"job", "status", "key", "limit", "before"}
     assert "JobView" in doc["components"]["schemas"]
 
 

@@ -22,7 +22,7 @@ from tests.support.faults import LEAKS
 
 # Jobs of tests/jobs.py the fuzzer may trigger: quick, and succeeding. The others fail or time
 # out on purpose (500 or 504 is their documented answer), or hold a run up for seconds.
-FAST_JOBS = frozenset({"fast", "minutely", "yearly", "late-minutely", "note"})
+FAST_JOBS = frozenset({"fast", "minutely", "yearly", "late-minutely", "note", "keyed-fast"})
 
 # Schemathesis' own list: what the coverage phase sends where the document has no such method.
 UNEXPECTED_METHODS = frozenset(
