@@ -547,13 +547,14 @@ async def test_migrate_sql_is_what_migrate_would_do(
         "would apply: cronlock 0002_outbox",
         "would apply: cronlock 0003_probe",
         "would apply: cronlock 0004_batches",
+        "would apply: cronlock 0005_batch_fencing",
         "would apply: app.demo.digest 0001_users",
     ]
     assert await fresh.fetchval("SELECT to_regnamespace('cronlock')") is None  # changed nothing
     code, script, err = await run_cli("migrate", "--sql")
     assert code == 0, err
-    assert script.count("BEGIN;") == 7
-    assert script.count("COMMIT;") == 7
+    assert script.count("BEGIN;") == 8
+    assert script.count("COMMIT;") == 8
     assert "{schema}" not in script
     await fresh.execute(script)
     code, out, err = await run_cli("migrate", "--dry-run")
