@@ -845,6 +845,9 @@ async def cmd_outbox_requeue(args: argparse.Namespace, settings: Settings) -> in
         _print_json({"requeued": [r.as_json() for r in done]})
     else:
         for r in done:
+            if r.batch_id is not None:
+                print(f"requeued {r.id} in its batch {r.batch_id} (the batch's key, unchanged)")
+                continue
             key = "a new idempotency key" if r.new_key else "its idempotency key"
             print(f"requeued {r.id} with {key} {r.idempotency_key}")
         missing = sorted(set(args.ids) - {r.id for r in done})

@@ -271,32 +271,51 @@ def classify_batch(response: httpx.Response, size: int) -> BatchResult:
     `errors` are the created ones, in order."""
     if not 200 <= response.status_code < 300:
         return BatchResult(_refused(response))
-    try:
-        document = response.json()
-    except ValueError:
-        document = None
-    data = document.get("data") if isinstance(document, dict) else None
-    errors = document.get("errors") if isinstance(document, dict) else None
-    refused: dict[int, str] = {}
-    for item in errors if isinstance(errors, list) else []:
-        index = item.get("index") if isinstance(item, dict) else None
-        if isinstance(index, int) and 0 <= index < size:
-            refused[index] = error_text(f"refused in its batch: {item.get('message')}")
-    ids = [d.get("id") if isinstance(d, dict) else None for d in data or []]
-    created = [i for i in range(size) if i not in refused]
-    if len(ids) != len(created):
-        # The provider took the request but its answer does not say which id is whose: the
-        # emails are sent (asking again with the key would get the same answer), ids unknown.
-        log.warning("batch answer with %d ids for %d created emails", len(ids), len(created))
-        ids = [None] * len(created)
-    by_index = dict(zip(created, ids, strict=True))
+    parsed = _parse_batch_answer(response, size)
+    if parsed is None:
+        # The provider took the request (2xx) but its answer does not say which id is whose,
+        # or which member it refused: the emails count as sent (asking again with the key
+        # would get the same answer, and a retry could only end in dead letters for emails
+        # that went out), ids unknown.
+        log.warning("batch answer not understood for a batch of %d: ids unknown", size)
+        return BatchResult(SendResult.sent(None), (SendResult.sent(None),) * size)
+    ids, refused = parsed
+    created = iter(ids)
     members = tuple(
-        SendResult.failed(refused[i])
-        if i in refused
-        else SendResult.sent(by_index[i] if isinstance(by_index[i], str) else None)
+        SendResult.failed(refused[i]) if i in refused else SendResult.sent(next(created))
         for i in range(size)
     )
     return BatchResult(SendResult.sent(None), members)
+
+
+def _parse_batch_answer(
+    response: httpx.Response, size: int
+) -> tuple[list[str | None], dict[int, str]] | None:
+    """(ids of the created members in order, {index: error} of the refused ones), or None
+    when the answer's shape is not the documented one (any part of it)."""
+    try:
+        document = response.json()
+    except ValueError:
+        return None
+    if not isinstance(document, dict):
+        return None
+    data = document.get("data")
+    errors = document.get("errors", [])
+    if errors is None:
+        errors = []
+    if not isinstance(data, list) or not isinstance(errors, list):
+        return None
+    refused: dict[int, str] = {}
+    for item in errors:
+        index = item.get("index") if isinstance(item, dict) else None
+        # bool is an int to Python, not an index to JSON.
+        if type(index) is not int or not 0 <= index < size or index in refused:
+            return None
+        refused[index] = error_text(f"refused in its batch: {item.get('message')}")
+    if not all(isinstance(d, dict) for d in data) or len(data) != size - len(refused):
+        return None
+    ids = [d.get("id") if isinstance(d.get("id"), str) else None for d in data]
+    return ids, refused
 
 
 class HttpMailer:
@@ -513,6 +532,7 @@ class SmtpMailer:
         self.max_session_time = max_session_time
         self._idle: list[_Session] = []
         self._idle_lock = threading.Lock()
+        self._closed = False  # under _idle_lock: no session is kept after aclose
         self.connections = 0  # opened so far (for tests and the log)
         self.host = host
         self.port = port
@@ -587,8 +607,10 @@ class SmtpMailer:
         fresh = time.monotonic() - session.opened < self.max_session_time
         if session.messages < self.max_messages and fresh and deadline.detach():
             with self._idle_lock:
-                self._idle.append(session)
-            return
+                # After aclose nobody would ever close a kept connection.
+                if not self._closed:
+                    self._idle.append(session)
+                    return
         _goodbye(session.smtp)
 
     def _reuse(self, deadline: _Deadline) -> _Session | None:
@@ -603,8 +625,12 @@ class SmtpMailer:
                 continue
             session.smtp.rebind(deadline)
             try:
-                session.smtp.rset()
+                # rset() returns the relay's code instead of raising: a relay that hung up on
+                # an idle connection says 421 first, and that must not count as a reset.
+                code, _ = session.smtp.rset()
             except (smtplib.SMTPException, OSError):
+                code = 0
+            if code != 250:
                 # Closed by the relay while idle (or broken): nothing of this message went.
                 session.smtp.close()
                 deadline.left()  # past the deadline: a TimeoutError, no new connection
@@ -625,14 +651,32 @@ class SmtpMailer:
         self.connections += 1
         return _Session(smtp, time.monotonic())
 
+    def idle_sessions(self) -> int:
+        """Connections kept open between sends."""
+        with self._idle_lock:
+            return len(self._idle)
+
     async def aclose(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
         with self._idle_lock:
+            self._closed = True
             idle, self._idle = self._idle, []
-        for session in idle:
-            # A bounded goodbye: the loop must not wait long on a relay that stopped answering.
-            session.smtp.rebind(_Deadline(min(1.0, self.timeout)))
-            _goodbye(session.smtp)
+        if not idle:
+            return
+        # Goodbyes in threads, all at once, each bounded by its deadline: QUIT blocks on the
+        # relay, and the event loop must not wait on a relay that stopped answering.
+        bound = min(1.0, self.timeout)
+        goodbyes = [
+            asyncio.ensure_future(asyncio.to_thread(_goodbye_within, s.smtp, bound)) for s in idle
+        ]
+        _, late = await asyncio.wait(goodbyes, timeout=bound + SMTP_GRACE)
+        for future in late:
+            future.add_done_callback(_ignore_result)
+
+
+def _goodbye_within(smtp: _DeadlineSMTP, seconds: float) -> None:
+    smtp.rebind(_Deadline(seconds))
+    _goodbye(smtp)
 
 
 def _goodbye(smtp: smtplib.SMTP) -> None:

@@ -137,11 +137,11 @@ async def enqueue(
 # The lease is also the next due time: a row whose sender vanished needs no sweeper, it simply
 # becomes due again when the lease ends. `attempts` counts claims, so a row that crashes its
 # sender every time still reaches max_attempts.
-CLAIM_SQL = """
+_CLAIM_SQL = """
 WITH due AS (
     SELECT id
     FROM {schema}.email_outbox
-    WHERE status = 'pending' AND next_attempt_at <= now() AND batch_id IS NULL
+    WHERE status = 'pending' AND next_attempt_at <= now() AND batch_id IS NULL{alone}
     ORDER BY next_attempt_at, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -156,6 +156,10 @@ WHERE o.id = due.id
 RETURNING o.id, o.idempotency_key, o.sender, o.recipient, o.subject, o.body, o.attempts,
           o.created_at, extract(epoch FROM now() - o.key_created_at)::float8 AS key_age
 """
+CLAIM_SQL = _CLAIM_SQL.replace("{alone}", "")
+# A batch sender's single claims: the rows it must not form into batches (FORM_SELECT_SQL takes
+# the others), literally the predicate of the index email_outbox_due_alone.
+CLAIM_ALONE_SQL = _CLAIM_SQL.replace("{alone}", " AND (attempts > 0 OR last_error IS NOT NULL)")
 
 # Outcomes of claimed rows, many at once (each with the claim token it was sent under), in one
 # statement that writes a row only while its claim is still that token. A retry that would
@@ -229,11 +233,15 @@ class Mark:
     error: str | None = None
 
 
-async def claim(conn: Conn, *, schema: str, limit: int, lease: float) -> Claim:
-    """Claim up to `limit` due rows for `lease` seconds under a new claim token."""
+async def claim(
+    conn: Conn, *, schema: str, limit: int, lease: float, batchable: bool = True
+) -> Claim:
+    """Claim up to `limit` due rows for `lease` seconds under a new claim token; with
+    `batchable` False only rows that may not be formed into batches (a batch sender's)."""
     token = uuid.uuid4()
     started = time.monotonic()
-    records = await conn.fetch(qualify(CLAIM_SQL, schema), limit, token, lease)
+    sql = CLAIM_SQL if batchable else CLAIM_ALONE_SQL
+    records = await conn.fetch(qualify(sql, schema), limit, token, lease)
     rows = [
         Row(
             id=r["id"],
@@ -398,11 +406,16 @@ async def return_tokens(conn: Conn, count: int, *, schema: str, rate: float) -> 
 
 # --- batches --------------------------------------------------------------------------------
 
-# Due rows not in a batch yet, locked for the transaction that forms batches from them.
+# Due rows not in a batch yet, locked for the transaction that forms batches from them. Only
+# rows never attempted: a row whose own key may have reached the provider (a single send that
+# timed out but went through, in a fleet or a period with EMAIL_BATCH_SIZE=1) would be
+# delivered again under the batch key. A re-queued row has attempts reset but keeps its last
+# error, so it is sent alone too (its batch, when re-opened, carries it instead).
 FORM_SELECT_SQL = """
 SELECT id, job, slot, idempotency_key, sender, recipient, subject, body, created_at
 FROM {schema}.email_outbox
 WHERE status = 'pending' AND batch_id IS NULL AND next_attempt_at <= now()
+  AND attempts = 0 AND last_error IS NULL
 ORDER BY next_attempt_at, id
 LIMIT $1
 FOR UPDATE SKIP LOCKED
@@ -420,11 +433,15 @@ FROM unnest($1::text[], $2::bytea[], $3::int[]) AS u(key, body, size)
 RETURNING id, idempotency_key
 """
 
-# Members point at their batch; their own due time follows the batch's (stats stay honest).
+# Members point at their batch. While it is pending they are never due and hold no claim of
+# their own: the batch's lease and token fence them. A single-row sender (a rolling deploy's
+# older code scans for due rows without looking at batch_id; one whose lease on the row ran
+# out) then can neither claim nor mark them: "never" is 'infinity' (here, in MARK_BATCH_SQL
+# and REQUEUE_SQL).
 FORM_MEMBERS_SQL = """
 UPDATE {schema}.email_outbox AS o
 SET batch_id = u.batch_id, batch_index = u.idx,
-    next_attempt_at = clock_timestamp() + make_interval(secs => $4)
+    next_attempt_at = 'infinity'::timestamptz, locked_until = NULL, claim_token = NULL
 FROM unnest($1::bigint[], $2::bigint[], $3::int[]) AS u(id, batch_id, idx)
 WHERE o.id = u.id
 """
@@ -497,7 +514,8 @@ m AS (
         last_error = CASE WHEN b.status = 'done' THEN coalesce(r.error, o.last_error)
                           ELSE b.last_error END,
         attempts = b.attempts,
-        next_attempt_at = b.next_attempt_at,
+        next_attempt_at = CASE WHEN b.status = 'pending' THEN 'infinity'::timestamptz
+                               ELSE b.next_attempt_at END,
         locked_until = NULL,
         claim_token = NULL
     FROM b, unnest($8::int[], $9::text[], $10::text[], $11::text[])
@@ -605,7 +623,6 @@ async def form_batches(
             [m[0] for m in members],
             [m[1] for m in members],
             [m[2] for m in members],
-            lease,
         )
     return [
         Batch(ids[p.key], p.key, p.body, len(p.ids), 1, 0.0, token, started + lease)
@@ -633,6 +650,21 @@ async def claim_batches(conn: Conn, *, schema: str, limit: int, lease: float) ->
     ]
     found.sort(key=lambda b: b.id)
     return found
+
+
+# The soonest a pending batch nobody holds (a retry waiting out its backoff, or a lease that
+# ended) is due, in seconds from now (<= 0: due now); NULL when there is none.
+NEXT_BATCH_SQL = """
+SELECT extract(epoch FROM min(next_attempt_at) - now())::float8
+FROM {schema}.email_batch
+WHERE status = 'pending' AND (locked_until IS NULL OR locked_until <= now())
+"""
+
+
+async def next_batch_due(conn: Conn, *, schema: str) -> float | None:
+    """Seconds until the next pending batch nobody holds is due (0 if one is), or None."""
+    value = await conn.fetchval(qualify(NEXT_BATCH_SQL, schema))
+    return None if value is None else max(0.0, float(value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -762,6 +794,8 @@ class Requeued:
     idempotency_key: str
     previous_key: str
     new_key: bool
+    # The batch it is sent in again (its dead batch re-opened), or None: sent on its own.
+    batch_id: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -769,34 +803,62 @@ class Requeued:
             "idempotency_key": self.idempotency_key,
             "previous_key": self.previous_key,
             "new_key": self.new_key,
+            "batch_id": self.batch_id,
         }
 
 
 # A key older than the retry window may be past the provider's idempotency window: sending it
 # again could be treated as new anyway, so the row gets a fresh key (and a fresh window), and
 # the caller is told. A younger key is kept, so a delivery that did go through is still
-# recognised by the provider; its window keeps running from when the key was made. A row
-# that died in a batch leaves it and is formed into a new batch (the old one stays, for the
-# record, until its last row is pruned).
+# recognised by the provider; its window keeps running from when the key was made.
+#
+# A row that died with its batch (the batch is `dead`: its request may have gone through,
+# e.g. timeouts until the end) re-opens that batch, with all of its members, the same bytes,
+# the same key and the same key age: re-formed into another batch it would get another key
+# and be delivered again. If the batch's key is past the window, its members get fresh keys
+# and leave it instead (sent alone: see FORM_SELECT_SQL). A row the provider refused inside a
+# `done` batch leaves it, as a row that was never in one is re-queued alone.
 REQUEUE_SQL = """
+WITH picked AS (
+    SELECT id, batch_id
+    FROM {schema}.email_outbox
+    WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+),
+dead_batch AS (
+    SELECT b.id, b.key_created_at >= now() - make_interval(secs => $2) AS reopen
+    FROM {schema}.email_batch AS b
+    WHERE b.status = 'dead' AND b.id IN (SELECT batch_id FROM picked)
+    FOR UPDATE
+),
+reopened AS (
+    UPDATE {schema}.email_batch AS b
+    SET status = 'pending', attempts = 0, next_attempt_at = now(), locked_until = NULL,
+        claim_token = NULL, finished_at = NULL
+    FROM dead_batch AS d
+    WHERE b.id = d.id AND d.reopen
+    RETURNING b.id
+),
+d AS (
+    SELECT o.id, o.idempotency_key AS previous_key, coalesce(db.reopen, false) AS stays,
+           CASE WHEN db.id IS NOT NULL THEN NOT db.reopen
+                ELSE o.key_created_at < now() - make_interval(secs => $2) END AS fresh
+    FROM {schema}.email_outbox AS o
+    LEFT JOIN dead_batch AS db ON db.id = o.batch_id
+    WHERE o.status = 'dead' AND (o.id IN (SELECT id FROM picked) OR db.id IS NOT NULL)
+)
 UPDATE {schema}.email_outbox AS o
 SET status = 'pending',
     attempts = 0,
-    next_attempt_at = now(),
+    next_attempt_at = CASE WHEN d.stays THEN 'infinity'::timestamptz ELSE now() END,
     locked_until = NULL,
     claim_token = NULL,
-    batch_id = NULL,
-    batch_index = NULL,
+    batch_id = CASE WHEN d.stays THEN o.batch_id END,
+    batch_index = CASE WHEN d.stays THEN o.batch_index END,
     idempotency_key = CASE WHEN d.fresh THEN gen_random_uuid()::text ELSE o.idempotency_key END,
     key_created_at = CASE WHEN d.fresh THEN now() ELSE o.key_created_at END
-FROM (
-    SELECT id, idempotency_key AS previous_key,
-           key_created_at < now() - make_interval(secs => $2) AS fresh
-    FROM {schema}.email_outbox
-    WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
-) AS d
+FROM d
 WHERE o.id = d.id AND o.status = 'dead'
-RETURNING o.id, o.idempotency_key, d.previous_key, d.fresh
+RETURNING o.id, o.idempotency_key, d.previous_key, d.fresh, o.batch_id
 """
 
 
@@ -808,11 +870,13 @@ async def requeue(
     retry_window: float = DEFAULT_RETRY_WINDOW,
 ) -> list[Requeued]:
     """Put dead rows back in the queue (attempts reset, due now). Pass `retry_window` from
-    settings: keys older than it get a fresh key, reported as `new_key`."""
+    settings: keys older than it get a fresh key, reported as `new_key`. A row that died with
+    its batch brings the batch's other members back with it, in the same batch."""
     selected = None if ids == "all" else list(ids)
     records = await conn.fetch(qualify(REQUEUE_SQL, schema), selected, retry_window)
     found = [
-        Requeued(r["id"], r["idempotency_key"], r["previous_key"], r["fresh"]) for r in records
+        Requeued(r["id"], r["idempotency_key"], r["previous_key"], r["fresh"], r["batch_id"])
+        for r in records
     ]
     found.sort(key=lambda r: r.id)
     if found:
@@ -820,15 +884,17 @@ async def requeue(
     return found
 
 
+# A row in a pending batch is due when its batch is (its own next_attempt_at is "never").
 STATS_SQL = """
 SELECT p.pending, p.due, p.oldest_pending_seconds, d.dead
 FROM (
     SELECT count(*) AS pending,
-           count(*) FILTER (WHERE next_attempt_at <= now()) AS due,
-           coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)
+           count(*) FILTER (WHERE coalesce(b.next_attempt_at, o.next_attempt_at) <= now()) AS due,
+           coalesce(extract(epoch FROM now() - min(o.created_at))::float8, 0)
                AS oldest_pending_seconds
-    FROM {schema}.email_outbox
-    WHERE status = 'pending'
+    FROM {schema}.email_outbox AS o
+    LEFT JOIN {schema}.email_batch AS b ON b.id = o.batch_id AND b.status = 'pending'
+    WHERE o.status = 'pending'
 ) AS p,
 (SELECT count(*) AS dead FROM {schema}.email_outbox WHERE status = 'dead') AS d
 """

@@ -51,6 +51,7 @@ from app.outbox import (
     form_batches,
     mark_batch,
     mark_many,
+    next_batch_due,
     prune_chunk,
     release,
     release_batches,
@@ -115,19 +116,21 @@ class Sender:
         self._writer: asyncio.Task[None] | None = None
         self._prune_conn: Conn | None = None
         # Batches only with a backend that has a batch endpoint (http); others send one by one.
+        # Such a backend claims batches that are due whatever EMAIL_BATCH_SIZE says now: ones
+        # formed while it was higher (or by another instance) are delivered by nobody else.
+        # It forms new ones only with EMAIL_BATCH_SIZE above 1.
         self._batch_mailer: BatchMailer | None = None
         self.batch_size = 1
-        if settings.email_batch_size > 1:
-            if supports_batches(mailer):
-                self._batch_mailer = mailer  # type: ignore[assignment]  # checked just above
-                self.batch_size = settings.email_batch_size
-            else:
-                log.warning(
-                    "EMAIL_BATCH_SIZE=%d: this backend (%s) has no batch endpoint; sending "
-                    "one email per request",
-                    settings.email_batch_size,
-                    type(mailer).__name__,
-                )
+        if supports_batches(mailer):
+            self._batch_mailer = mailer  # type: ignore[assignment]  # checked just above
+            self.batch_size = settings.email_batch_size
+        elif settings.email_batch_size > 1:
+            log.warning(
+                "EMAIL_BATCH_SIZE=%d: this backend (%s) has no batch endpoint; sending "
+                "one email per request",
+                settings.email_batch_size,
+                type(mailer).__name__,
+            )
         # What one send can really take with this backend (SMTP: the timeout and a grace).
         self.max_send_time = max_send_time(mailer, settings.outbox_send_timeout)
         if settings.outbox_lease <= self.max_send_time:
@@ -147,21 +150,41 @@ class Sender:
         a batch still waiting for a send slot are given back instead of sent."""
         self._stopping = True
 
+    @property
+    def forming(self) -> bool:
+        """This sender forms new batches (EMAIL_BATCH_SIZE above 1, a batch endpoint)."""
+        return self._batch_mailer is not None and self.batch_size > 1
+
     async def drain_once(self) -> int:
-        """Claim one batch (as the rate limit allows), send it, mark it; returns rows handled."""
+        """Claim one batch (as the rate limit allows), send it, mark it; returns rows handled.
+        A sender with a batch endpoint claims batches first, then rows sent alone."""
         if self._stopping:
             return 0
+        found: list[Batch] = []
         if self._batch_mailer is not None:
-            found = await self._claim_batches(self._batches_per_claim(), wait_for_tokens=True)
-            if not found:
-                return 0
-            await asyncio.gather(*(self._deliver_batch(b) for b in found))
-            return sum(b.size for b in found)
-        batch = await self._claim(self.settings.outbox_batch_size, wait_for_tokens=True)
-        if batch is None or not batch.rows:
+            claimed = await self._claim_batches(self._batches_per_claim(), wait_for_tokens=True)
+            found = claimed or []
+        batch = None
+        if not self._stopping:
+            batch = await self._claim(
+                self.settings.outbox_batch_size, wait_for_tokens=True, batchable=not self.forming
+            )
+        rows = batch.rows if batch is not None else []
+        if not found and not rows:
             return 0
-        await asyncio.gather(*(self._deliver(batch, row) for row in batch.rows))
-        return len(batch.rows)
+        await asyncio.gather(
+            *(self._deliver_batch(b) for b in found),
+            *(self._deliver(batch, row) for row in rows if batch is not None),
+        )
+        return sum(b.size for b in found) + len(rows)
+
+    async def next_batch_due(self) -> float | None:
+        """Seconds until a pending batch nobody holds is due (see `outbox.next_batch_due`);
+        None if there is none, or this sender cannot send batches."""
+        if self._batch_mailer is None:
+            return None
+        async with self._connection() as conn:
+            return await next_batch_due(conn, schema=self.settings.db_schema)
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[Conn]:
@@ -173,8 +196,11 @@ class Sender:
             with db.deadline(conn, s.db_query_timeout):
                 yield conn
 
-    async def _claim(self, want: int, *, wait_for_tokens: bool) -> Claim | None:
-        """A claim of up to `want` rows; None when the rate limit has nothing for us yet."""
+    async def _claim(
+        self, want: int, *, wait_for_tokens: bool, batchable: bool = True
+    ) -> Claim | None:
+        """A claim of up to `want` rows (with `batchable` False only those a batch sender
+        sends alone); None when the rate limit has nothing for us yet."""
         s = self.settings
         while True:
             async with self._connection() as conn:
@@ -182,7 +208,11 @@ class Sender:
                 if tokens.granted:
                     try:
                         batch = await claim(
-                            conn, schema=s.db_schema, limit=tokens.granted, lease=s.outbox_lease
+                            conn,
+                            schema=s.db_schema,
+                            limit=tokens.granted,
+                            lease=s.outbox_lease,
+                            batchable=batchable,
                         )
                     except BaseException:
                         await _quietly(
@@ -443,11 +473,12 @@ class Sender:
                 rate = s.outbox_rate_limit
                 tokens = await take_tokens(conn, want, schema=s.db_schema, rate=rate)
                 if tokens.granted:
+                    found = []
                     try:
                         found = await claim_batches(
                             conn, schema=s.db_schema, limit=tokens.granted, lease=s.outbox_lease
                         )
-                        if len(found) < tokens.granted:
+                        if len(found) < tokens.granted and self.forming:
                             found += await form_batches(
                                 conn,
                                 schema=s.db_schema,
@@ -456,6 +487,10 @@ class Sender:
                                 lease=s.outbox_lease,
                             )
                     except BaseException:
+                        # Batches claimed before the formation failed are given back unsent,
+                        # not left to their lease (and counted as an attempt).
+                        if found:
+                            await _quietly(release_batches(conn, found, schema=s.db_schema))
                         await _quietly(
                             return_tokens(conn, tokens.granted, schema=s.db_schema, rate=rate)
                         )
@@ -653,29 +688,30 @@ class Sender:
                     continue
                 self._wake.clear()
                 self._rate_wait = 0.0
+                found: list[Batch] | None = []
+                batch: Claim | None = None
                 try:
+                    # Batches first (already frozen, their retries are due), then rows sent
+                    # alone: all rows, or with EMAIL_BATCH_SIZE above 1 those never to batch.
                     if self._batch_mailer is not None:
                         found = await self._claim_batches(
                             self._batches_per_claim(), wait_for_tokens=False
                         )
-                    else:
-                        batch = await self._claim(s.outbox_batch_size, wait_for_tokens=False)
+                    if found is not None:
+                        batch = await self._claim(
+                            s.outbox_batch_size, wait_for_tokens=False, batchable=not self.forming
+                        )
                 except DATABASE_ERRORS as exc:
                     self._report_db_trouble(exc)
                     await _wait_any(stop, within=s.outbox_poll_interval)
                     continue
-                self._report_db_ok()
-                if self._batch_mailer is not None:
-                    if found is None:  # rate limited
-                        await _wait_any(stop, within=min(self._rate_wait, s.outbox_poll_interval))
-                        continue
-                    for one in found:
+                finally:
+                    # Claimed before a later claim failed: delivered all the same.
+                    for one in found or []:
                         task = asyncio.create_task(self._deliver_batch(one))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
-                    if not found:
-                        await _wait_any(stop, self._wake, within=s.outbox_poll_interval)
-                    continue
+                self._report_db_ok()
                 if batch is None:  # rate limited
                     await _wait_any(stop, within=min(self._rate_wait, s.outbox_poll_interval))
                     continue
@@ -683,7 +719,7 @@ class Sender:
                     task = asyncio.create_task(self._deliver(batch, row))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
-                if not batch.rows:
+                if not batch.rows and not found:
                     await _wait_any(stop, self._wake, within=s.outbox_poll_interval)
         finally:
             self._stopping = True
@@ -839,6 +875,20 @@ async def _quietly(aw: Any) -> None:
 # --- entry points ---------------------------------------------------------------------------
 
 
+async def _drain_until_empty(sender: Sender, stop: asyncio.Event) -> None:
+    """`drain --once`: until nothing is due. A batch waiting out a backoff no longer than
+    OUTBOX_BACKOFF_MAX (or a lease that ended) is waited for, so a drain started to finish
+    batches formed earlier does not exit while one is about to be retried. Single rows in
+    backoff are not: they keep their own key and any sender delivers them later."""
+    while not stop.is_set():
+        if await sender.drain_once():
+            continue
+        wait = await sender.next_batch_due()
+        if wait is None or wait > sender.settings.outbox_backoff_max:
+            return
+        await _wait_any(stop, within=max(wait, sender.settings.outbox_poll_interval / 10))
+
+
 async def run_in_app(pool: asyncpg.Pool, settings: Settings, stop: asyncio.Event) -> None:
     """The delivery loop of a service instance, on the service's pool, until `stop`."""
     mailer = create_mailer(settings)
@@ -869,8 +919,7 @@ async def run_sender(settings: Settings, *, once: bool = False) -> None:
         loop.add_signal_handler(sig, on_signal)
     try:
         if once:
-            while not stop.is_set() and await sender.drain_once():
-                pass
+            await _drain_until_empty(sender, stop)
         else:
             await sender.run(stop)
     finally:

@@ -187,8 +187,10 @@ async def test_one_malformed_address_is_dead_alone(
     )
     assert len({r["provider_message_id"] for r in ids}) == 99  # each its own id
 
-    # Re-queued alone, it leaves its batch and forms a new one (which fails the same way).
+    # Re-queued, it leaves its (done) batch and is sent alone under its own key: the batch's
+    # other members were delivered, and it was never sent under its own key.
     [requeued] = await outbox.requeue(db, [dead.id], schema="cronlock")
+    assert requeued.batch_id is None
     assert await db.fetchval(
         "SELECT batch_id IS NULL FROM cronlock.email_outbox WHERE id = $1", requeued.id
     )
@@ -243,6 +245,246 @@ async def test_an_invalid_idempotent_request_is_dead_not_looped(
             "the batch to be dead",
         )
     assert len(provider.batch_requests()) == 1
+
+
+# --- fencing, requeue and changing EMAIL_BATCH_SIZE --------------------------------------
+
+# A single-row sender's claim as the code before batches had it (a rolling deploy's older
+# instances): every due pending row, whatever batch_id says.
+OLD_CLAIM_SQL = """
+UPDATE cronlock.email_outbox SET claim_token = gen_random_uuid(), attempts = attempts + 1
+WHERE id IN (SELECT id FROM cronlock.email_outbox
+             WHERE status = 'pending' AND next_attempt_at <= now() FOR UPDATE SKIP LOCKED)
+RETURNING id
+"""
+
+
+async def _members(db: asyncpg.Connection) -> list[asyncpg.Record]:
+    return await db.fetch(
+        "SELECT id, recipient, status, batch_id, claim_token FROM cronlock.email_outbox ORDER BY id"
+    )
+
+
+async def test_requeue_reopens_a_dead_batch_and_each_email_is_delivered_once(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """A batch times out until dead, but the provider did create its emails. `requeue --all`
+    re-opens that batch (same key, bytes and key age) with all its members, and an email
+    queued meanwhile is formed into a batch of its own: each email is delivered once (before,
+    the re-queued rows joined a new batch under a new key and were delivered again)."""
+    first = await queue(db, 2)
+    provider.script(None, Reply(200, delay=1.0))  # created, but the answer comes too late
+    settings = outbox_settings(
+        email_batch_size=10, outbox_max_attempts=1, outbox_send_timeout=0.3, outbox_lease=5.0
+    )
+    async with sender(settings) as s:
+        assert await s.drain_once() == 2
+        assert await counts(db) == {"dead": 2}
+        await until(lambda: provider.in_flight == 0, 5, "the provider's late answer")
+        [dead_batch] = await db.fetch("SELECT * FROM cronlock.email_batch")
+        assert dead_batch["status"] == "dead"
+        later = await queue(db, 1, first=3)
+        dead = await outbox.dead_rows(db, schema="cronlock")
+        # Naming one member brings the other back with it, in the same batch.
+        requeued = await outbox.requeue(db, [dead[0].id], schema="cronlock")
+        assert [(r.id, r.batch_id, r.new_key) for r in requeued] == [
+            (d.id, dead_batch["id"], False) for d in dead
+        ]
+        assert await s.drain_once() == 3
+    assert await counts(db) == {"sent": 3}
+    assert each_once(provider, first + later)
+    reopened = await db.fetchrow(
+        "SELECT * FROM cronlock.email_batch WHERE id = $1", dead_batch["id"]
+    )
+    assert reopened is not None
+    assert (reopened["status"], reopened["attempts"]) == ("done", 1)
+    assert reopened["key_created_at"] == dead_batch["key_created_at"]
+    keys = [r.key for r in provider.batch_requests()]
+    assert keys.count(dead_batch["idempotency_key"]) == 2  # sent again, under the same key
+    assert len(keys) == 3
+
+
+async def test_requeue_of_a_dead_batch_past_the_window_gives_its_members_fresh_keys(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """A dead batch whose key is older than the retry window: its members leave it with
+    fresh keys (and say so), and are each delivered once, alone."""
+    recipients = await queue(db, 2)
+    [batch] = await outbox.form_batches(db, schema="cronlock", batches=1, size=10, lease=5.0)
+    marked = await outbox.mark_batch(
+        db,
+        batch,
+        outbox.BatchMark("dead", error="x"),
+        schema="cronlock",
+        max_attempts=5,
+        retry_window=3600.0,
+    )
+    assert marked is not None
+    assert marked.status == "dead"
+    await db.execute("UPDATE cronlock.email_batch SET key_created_at = now() - interval '2 hours'")
+    requeued = await outbox.requeue(db, "all", schema="cronlock", retry_window=3600.0)
+    assert [(r.new_key, r.batch_id) for r in requeued] == [(True, None), (True, None)]
+    assert all(r.idempotency_key != r.previous_key for r in requeued)
+    async with sender(outbox_settings(email_batch_size=10)) as s:
+        assert await s.drain_once() == 2
+    assert each_once(provider, recipients)
+    assert provider.batch_requests() == []  # sent alone: re-queued rows are never re-batched
+    assert set(provider.delivered()) == {r.idempotency_key for r in requeued}
+
+
+async def test_a_row_already_attempted_alone_is_never_formed_into_a_batch(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """A row a single-row sender claimed (its send may have gone through) whose lease ran out:
+    a batch sender sends it alone under its own key, and the stale sender's mark writes
+    nothing (before, the row joined a batch under another key, and the stale mark could
+    still make it dead inside that batch)."""
+    recipients = await queue(db, 3)
+    stale = await outbox.claim(db, schema="cronlock", limit=1, lease=0.1)
+    [retried] = stale.rows
+    await asyncio.sleep(0.2)
+    async with sender(outbox_settings(email_batch_size=10)) as s:
+        assert await s.drain_once() == 3
+    written = await outbox.mark(
+        db,
+        stale.token,
+        [(retried.id, outbox.Mark("dead", error="stale"))],
+        schema="cronlock",
+        max_attempts=12,
+        retry_window=3600.0,
+    )
+    assert written == {}
+    assert await counts(db) == {"sent": 3}
+    assert each_once(provider, recipients)
+    [request] = provider.batch_requests()
+    assert request.emails == 2
+    assert provider.delivered()[retried.email.idempotency_key] == 1  # alone, its own key
+    rows = {r["id"]: r for r in await _members(db)}
+    assert rows[retried.id]["batch_id"] is None
+
+
+async def test_batch_members_are_never_due_to_single_row_senders(
+    db: asyncpg.Connection,
+) -> None:
+    """While their batch is pending, members hold no claim and are never due: an older
+    single-row sender (no batch_id filter) cannot take them, neither when the batch's lease
+    ran out nor while it waits out a retry; `due` in the stats follows the batch."""
+    await queue(db, 2)
+    [batch] = await outbox.form_batches(db, schema="cronlock", batches=1, size=10, lease=0.2)
+    assert all(r["claim_token"] is None for r in await _members(db))
+    await asyncio.sleep(0.3)
+    assert await db.fetch(OLD_CLAIM_SQL) == []
+    assert (await outbox.outbox_stats(db, "cronlock"))["due"] == 2  # the batch is due
+    [again] = await outbox.claim_batches(db, schema="cronlock", limit=5, lease=5.0)
+    assert (await outbox.outbox_stats(db, "cronlock"))["due"] == 0
+    marked = await outbox.mark_batch(
+        db,
+        again,
+        outbox.BatchMark("retry", delay=60.0, error="HTTP 500"),
+        schema="cronlock",
+        max_attempts=5,
+        retry_window=3600.0,
+    )
+    assert marked is not None
+    assert marked.status == "pending"
+    assert await db.fetch(OLD_CLAIM_SQL) == []
+    stats = await outbox.outbox_stats(db, "cronlock")
+    assert (stats["pending"], stats["due"]) == (2, 0)
+    assert batch.id == again.id
+
+
+async def test_a_stale_mark_batch_after_a_takeover_writes_nothing(
+    db: asyncpg.Connection,
+) -> None:
+    await queue(db, 2)
+    [old] = await outbox.form_batches(db, schema="cronlock", batches=1, size=10, lease=0.1)
+    await asyncio.sleep(0.2)
+    [new] = await outbox.claim_batches(db, schema="cronlock", limit=5, lease=5.0)
+    assert (new.id, new.key, new.body) == (old.id, old.key, old.body)
+    assert new.token != old.token
+    sent = outbox.BatchMark("done", members=(outbox.Mark("sent", message_id="m"),) * 2)
+    options: dict[str, Any] = {"schema": "cronlock", "max_attempts": 5, "retry_window": 3600.0}
+    assert await outbox.mark_batch(db, old, sent, **options) is None
+    assert await outbox.mark_batch(db, old, outbox.BatchMark("dead"), **options) is None
+    assert await counts(db) == {"pending": 2}
+    marked = await outbox.mark_batch(db, new, sent, **options)
+    assert marked is not None
+    assert marked.status == "done"
+    assert await counts(db) == {"sent": 2}
+
+
+async def test_batch_size_one_still_delivers_batches_formed_earlier(
+    db: asyncpg.Connection, outbox_settings: MakeSettings, provider: Provider
+) -> None:
+    """EMAIL_BATCH_SIZE back to 1: a batch formed before (its lease ended) is still claimed and
+    sent under its key, and rows never batched go one per request."""
+    first = await queue(db, 3)
+    [batch] = await outbox.form_batches(db, schema="cronlock", batches=1, size=10, lease=0.1)
+    later = await queue(db, 2, first=4)
+    await asyncio.sleep(0.2)
+    async with sender(outbox_settings(email_batch_size=1)) as s:
+        assert await s.drain_once() == 5
+    assert await counts(db) == {"sent": 5}
+    assert each_once(provider, first + later)
+    assert [r.key for r in provider.batch_requests()] == [batch.key]
+    assert len(provider.requests) == 3
+
+
+async def test_drain_once_waits_for_a_batch_in_backoff(
+    db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
+) -> None:
+    """`drain --once` (here with EMAIL_BATCH_SIZE=1) does not exit while a batch nobody holds
+    is due within OUTBOX_BACKOFF_MAX: it waits, then delivers it."""
+    recipients = await queue(db, 2)
+    [batch] = await outbox.form_batches(db, schema="cronlock", batches=1, size=10, lease=5.0)
+    marked = await outbox.mark_batch(
+        db,
+        batch,
+        outbox.BatchMark("retry", delay=1.5, error="HTTP 500"),
+        schema="cronlock",
+        max_attempts=5,
+        retry_window=3600.0,
+    )
+    assert marked is not None
+    assert marked.status == "pending"
+    log = tmp_path / "worker.log"
+    env = worker_env(database_url, provider, email_batch_size=1, outbox_backoff_max=5)
+    worker = start_worker(env, log, "--once")
+    try:
+        await until(lambda: worker.poll() is not None, 30, "the --once worker to exit")
+    finally:
+        stop_workers([worker], log)
+    assert worker.returncode == 0, log.read_text()
+    assert await counts(db) == {"sent": 2}
+    assert each_once(provider, recipients)
+
+
+async def test_a_failed_formation_gives_back_the_batches_claimed_before_it(
+    db: asyncpg.Connection, outbox_settings: MakeSettings
+) -> None:
+    """Batches due again are claimed, then forming new ones fails (here a trigger refuses the
+    insert): the claimed batches are released at once, not counted as an attempt and left
+    to their lease."""
+    await queue(db, 2)
+    [batch] = await outbox.form_batches(db, schema="cronlock", batches=1, size=10, lease=0.1)
+    await asyncio.sleep(0.2)
+    await queue(db, 2, first=3)
+    await db.execute(
+        """CREATE FUNCTION cronlock.refuse() RETURNS trigger LANGUAGE plpgsql
+           AS $$ BEGIN RAISE EXCEPTION 'no new batches'; END $$;
+           CREATE TRIGGER refuse BEFORE INSERT ON cronlock.email_batch
+           FOR EACH ROW EXECUTE FUNCTION cronlock.refuse()"""
+    )
+    async with sender(outbox_settings(email_batch_size=10, outbox_batch_size=20)) as s:
+        with pytest.raises(asyncpg.RaiseError, match="no new batches"):
+            await s.drain_once()
+        assert s._held == 0
+    row = await db.fetchrow(
+        "SELECT *, next_attempt_at <= now() AS due FROM cronlock.email_batch WHERE id = $1",
+        batch.id,
+    )
+    assert row is not None
+    assert (row["claim_token"], row["attempts"], row["due"]) == (None, 1, True)
 
 
 # --- several OS processes -------------------------------------------------------------------

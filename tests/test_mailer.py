@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 import pytest
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult
@@ -22,6 +23,7 @@ from app.mailer import (
     HttpMailer,
     LogMailer,
     SmtpMailer,
+    classify_batch,
     create_mailer,
     error_text,
     max_send_time,
@@ -469,3 +471,87 @@ async def test_smtp_a_dropped_connection_loses_nothing_and_repeats_only_the_mess
     assert max(ids.values()) <= 2
     assert twice <= set(sink.dropped)  # only the messages in flight when the relay hung up
     assert sink.dropped
+
+
+async def test_smtp_a_kept_connection_the_relay_closed_with_421_is_replaced() -> None:
+    """A relay says 421 to an idle kept connection and hangs up: smtplib's RSET returns that
+    code without raising, so the next send must see it and go on over a new connection
+    (before, it tried the message on the dead one and came back "retry")."""
+    with SlowRelay(idle_close=0.3) as relay:
+        mailer = SmtpMailer("127.0.0.1", relay.port, timeout=5.0)
+        try:
+            first = await mailer.send(an_email("k1"))
+            await asyncio.sleep(0.6)  # the relay gives up on the idle connection
+            second = await mailer.send(an_email("k2"))
+        finally:
+            await mailer.aclose()
+        delivered = relay.delivered()
+        opened = len(relay.connections)
+    assert (first.status, second.status) == ("sent", "sent"), second
+    assert len(delivered) == 2
+    assert opened == mailer.connections == 2
+
+
+async def test_smtp_aclose_does_not_block_the_loop_on_a_slow_goodbye() -> None:
+    """Kept connections to a relay that hangs on QUIT: aclose says goodbye in threads, bounded,
+    and the event loop goes on meanwhile (before, each quit blocked it for up to 1 s)."""
+    with SlowRelay(delays={"QUIT": 5.0}) as relay:
+        mailer = SmtpMailer("127.0.0.1", relay.port, timeout=5.0, max_workers=2)
+        results = await asyncio.gather(mailer.send(an_email("k1")), mailer.send(an_email("k2")))
+        assert [r.status for r in results] == ["sent", "sent"]
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.02)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        started = time.monotonic()
+        await mailer.aclose()
+        elapsed = time.monotonic() - started
+        ticker.cancel()
+    assert elapsed < 1.6
+    assert ticks >= 10  # the loop ran while the goodbyes waited
+
+
+async def test_smtp_a_session_finishing_after_aclose_is_not_kept() -> None:
+    """A send still in its worker thread when aclose runs: its connection is closed when the
+    send ends, not put back into a mailer that is closed."""
+    with SlowRelay(delays={".": 0.5}) as relay:
+        mailer = SmtpMailer("127.0.0.1", relay.port, timeout=5.0)
+        sending = asyncio.create_task(mailer.send(an_email("k1")))
+        await asyncio.sleep(0.2)  # the message is being sent
+        await mailer.aclose()
+        result = await sending
+        await asyncio.sleep(0.2)
+        [conn] = relay.connections
+    assert result.status == "sent"
+    assert "QUIT" in [verb for _, verb in conn.commands]
+    assert not mailer.idle_sessions()
+
+
+def test_classify_batch_survives_malformed_answers(caplog: pytest.LogCaptureFixture) -> None:
+    """A 2xx batch answer whose `data`/`errors` are not lists of objects: the provider took the
+    request, so every member is sent with an unknown id (logged), never a TypeError that
+    would retry delivered emails into dead letters."""
+    bodies: list[Any] = [
+        {"data": 5},
+        {"data": True, "errors": []},
+        {"data": [{"id": "a"}, {"id": "b"}], "errors": 7},
+        {"data": [{"id": "a"}], "errors": [3]},
+        {"data": ["a", "b"]},
+        {"data": [{"id": "a"}, {"id": "b"}], "errors": [{"index": True, "message": "x"}]},
+        [1, 2],
+        "ok",
+    ]
+    caplog.set_level(logging.WARNING, logger="cronlock.mailer")
+    for body in bodies:
+        result = classify_batch(httpx.Response(200, json=body), 2)
+        assert result.request.status == "sent", body
+        assert [(m.status, m.message_id) for m in result.members] == [("sent", None)] * 2, body
+    assert len([r for r in caplog.records if "batch answer" in r.getMessage()]) == len(bodies)
+    good = {"data": [{"id": "a"}], "errors": [{"index": 0, "message": "bad to"}]}
+    result = classify_batch(httpx.Response(200, json=good), 2)
+    assert [(m.status, m.message_id) for m in result.members] == [("failed", None), ("sent", "a")]

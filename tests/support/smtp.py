@@ -5,7 +5,8 @@ It speaks just enough SMTP for smtplib (greeting, EHLO/HELO, MAIL, RCPT, DATA, Q
 else gets 250), in a thread per connection, and records for each connection when it opened,
 when each command arrived, and when a message was accepted (the end of DATA). Every reply
 waits `delay` seconds first, or `delays[verb]` for that command ("GREETING" for the banner,
-"." for the end of the message).
+"." for the end of the message). With `idle_close`, a connection that sends no command for
+that many seconds is told `421` and closed, as relays do with idle clients.
 """
 
 from __future__ import annotations
@@ -25,8 +26,15 @@ class Connection:
 
 
 class SlowRelay:
-    def __init__(self, delay: float = 0.0, delays: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        delay: float = 0.0,
+        delays: dict[str, float] | None = None,
+        *,
+        idle_close: float | None = None,
+    ) -> None:
         self.delay = delay
+        self.idle_close = idle_close
         self.delays = dict(delays or {})
         self._lock = threading.Lock()
         self._connections: list[Connection] = []
@@ -82,7 +90,13 @@ class SlowRelay:
             reply("GREETING", "220 slow relay")
             in_data = False
             while True:
-                line = handler.rfile.readline()
+                handler.connection.settimeout(None if in_data else self.idle_close)
+                try:
+                    line = handler.rfile.readline()
+                except TimeoutError:
+                    # Idle too long: what a relay says before it hangs up on a kept connection.
+                    reply("IDLE", "421 4.4.2 idle too long, closing")
+                    return
                 if not line:
                     return
                 if in_data:
