@@ -27,6 +27,7 @@ from tests.support import TEST_SECRET
 from tests.support.asgi import Dispatch, InProcess, StartApp, serve
 from tests.support.binaries import require_binary
 from tests.support.cluster import Cluster, Instance, Nginx, PgBouncer
+from tests.support.delivery import API_KEY
 from tests.support.faults import start_cluster
 from tests.support.instances import INSTANCE_STOP_GRACE, Instances
 from tests.support.postgres import (
@@ -38,6 +39,7 @@ from tests.support.postgres import (
     drop_database,
     unique_name,
 )
+from tests.support.provider import Provider
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -347,3 +349,40 @@ def start_nginx() -> Iterator[Callable[..., Nginx]]:
     for proxy, root in started:
         proxy.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+# --- email delivery -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def provider() -> Iterator[Provider]:
+    with Provider() as p:
+        yield p
+
+
+@pytest.fixture
+def outbox_settings(
+    make_settings: Callable[..., Settings], provider: Provider
+) -> Callable[..., Settings]:
+    """Settings for a sender talking to the provider stand-in (tests/support/provider.py):
+    fast timers, no rate limit."""
+
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "email_backend": "http",
+            "email_api_url": provider.url,
+            "email_api_key": API_KEY,
+            "outbox_rate_limit": 0,
+            "outbox_lease": 5.0,
+            "outbox_send_timeout": 2.0,
+            "outbox_backoff_base": 0.2,
+            "outbox_backoff_max": 5.0,
+            "outbox_poll_interval": 0.1,
+            "outbox_shutdown_timeout": 2.0,
+            "outbox_batch_size": 20,
+            "outbox_concurrency": 4,
+        }
+        values.update(overrides)
+        return make_settings(**values)
+
+    return make

@@ -10,7 +10,6 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,7 @@ import pytest
 from app import outbox
 from app.mailer import Email as Message
 from app.mailer import HttpMailer, batch_bytes, classify_batch, classify_response
-from tests.support.provider import Provider, Reply
-from tests.test_outbox import (
+from tests.support.delivery import (
     API_KEY,
     MakeSettings,
     counts,
@@ -33,6 +31,7 @@ from tests.test_outbox import (
     until,
     worker_env,
 )
+from tests.support.provider import Provider, Reply
 
 # The subject names the slot: the provider counts accepted emails per (recipient, subject).
 SLOT_SUBJECT = "Digest 2026-01-01"
@@ -55,36 +54,6 @@ async def queue(
         f"not an address {g}" if g in bad else f"user{g}@example.com"
         for g in range(first, first + count)
     ]
-
-
-@pytest.fixture
-def provider() -> Iterator[Provider]:
-    with Provider() as p:
-        yield p
-
-
-@pytest.fixture
-def outbox_settings(make_settings: MakeSettings, provider: Provider) -> MakeSettings:
-    """As in tests/test_outbox.py: fast timers, no rate limit, the provider stand-in."""
-
-    def make(**overrides: Any) -> Any:
-        values: dict[str, Any] = {
-            "email_backend": "http",
-            "email_api_url": provider.url,
-            "email_api_key": API_KEY,
-            "outbox_rate_limit": 0,
-            "outbox_lease": 5.0,
-            "outbox_send_timeout": 2.0,
-            "outbox_backoff_base": 0.2,
-            "outbox_backoff_max": 5.0,
-            "outbox_poll_interval": 0.1,
-            "outbox_shutdown_timeout": 2.0,
-            "outbox_batch_size": 20,
-            "outbox_concurrency": 4,
-        }
-        return make_settings(**(values | overrides))
-
-    return make
 
 
 def each_once(provider: Provider, recipients: list[str]) -> bool:

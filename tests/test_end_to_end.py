@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
 import httpx
-import pytest
 
 from tests.support.provider import Provider
 from tests.util import post, wait_for
@@ -18,12 +17,6 @@ from tests.util import post, wait_for
 Starter = Callable[..., Any]
 USERS = 300
 ENABLED = 270  # every tenth user has the digest switched off
-
-
-@pytest.fixture
-def provider() -> Iterator[Provider]:
-    with Provider() as p:
-        yield p
 
 
 async def test_each_user_gets_exactly_one_email_per_slot(

@@ -32,10 +32,9 @@ from app.mailer import (
     payload_bytes,
 )
 from app.settings import Settings, SettingsError
+from tests.support.delivery import API_KEY
 from tests.support.provider import Provider, Reply
 from tests.support.smtp import SlowRelay
-
-API_KEY = "re_test_key"
 
 
 def an_email(key: str = "key-1", recipient: str = "ada@example.com") -> Email:
@@ -47,12 +46,6 @@ def an_email(key: str = "key-1", recipient: str = "ada@example.com") -> Email:
         body="Hello Ada,\n\nnothing happened.\n",
         created_at=datetime(2026, 1, 2, 7, 0, tzinfo=UTC),
     )
-
-
-@pytest.fixture
-def provider() -> Iterator[Provider]:
-    with Provider() as p:
-        yield p
 
 
 # --- http -----------------------------------------------------------------------------------

@@ -14,13 +14,9 @@ import os
 import random
 import resource
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +30,20 @@ from app.demo.digest import DIGEST_SQL, SENDER
 from app.errors import DatabaseUnavailable
 from app.mailer import Email, HttpMailer, SendResult, SmtpMailer
 from app.schema import notify_channel
-from app.settings import Settings
 from app.sql import qualify
+from tests.support.delivery import (
+    API_KEY,
+    MakeSettings,
+    counts,
+    running,
+    sender,
+    start_worker,
+    stop_workers,
+    until,
+    worker_env,
+)
 from tests.support.provider import Provider, Reply
 from tests.support.smtp import SlowRelay
-
-ROOT = Path(__file__).resolve().parent.parent
-API_KEY = "re_test_key"
-
-MakeSettings = Callable[..., Settings]
 
 # Set-based, like the digest job: the idempotency key comes from the column's default.
 QUEUE_SQL = """
@@ -79,89 +80,6 @@ async def make_due(conn: asyncpg.Connection) -> None:
     await conn.execute(
         "UPDATE cronlock.email_outbox SET next_attempt_at = now() WHERE status = 'pending'"
     )
-
-
-async def until(
-    check: Callable[[], Any], within: float, what: str, *, every: float = 0.02
-) -> float:
-    """Poll `check` (sync or async) without blocking the loop; returns the seconds it took."""
-    start = time.monotonic()
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return time.monotonic() - start
-        if time.monotonic() - start > within:
-            raise AssertionError(f"timed out after {within} s waiting for {what}")
-        await asyncio.sleep(every)
-
-
-async def counts(conn: asyncpg.Connection) -> Counter[str]:
-    rows = await conn.fetch(
-        "SELECT status, count(*) AS n FROM cronlock.email_outbox GROUP BY status"
-    )
-    return Counter({r["status"]: r["n"] for r in rows})
-
-
-@pytest.fixture
-def provider() -> Iterator[Provider]:
-    with Provider() as p:
-        yield p
-
-
-@pytest.fixture
-def outbox_settings(make_settings: MakeSettings, provider: Provider) -> MakeSettings:
-    """Settings for a sender talking to the provider stand-in: fast timers, no rate limit."""
-
-    def make(**overrides: Any) -> Settings:
-        values: dict[str, Any] = {
-            "email_backend": "http",
-            "email_api_url": provider.url,
-            "email_api_key": API_KEY,
-            "outbox_rate_limit": 0,
-            "outbox_lease": 5.0,
-            "outbox_send_timeout": 2.0,
-            "outbox_backoff_base": 0.2,
-            "outbox_backoff_max": 5.0,
-            "outbox_poll_interval": 0.1,
-            "outbox_shutdown_timeout": 2.0,
-            "outbox_batch_size": 20,
-            "outbox_concurrency": 4,
-        }
-        values.update(overrides)
-        return make_settings(**values)
-
-    return make
-
-
-@asynccontextmanager
-async def sender(settings: Settings, name: str = "s1") -> AsyncIterator[delivery.Sender]:
-    """A Sender on a pool of its own, with the HTTP backend."""
-    pool = await appdb.create_pool(settings)
-    mailer = HttpMailer(
-        settings.email_api_url,
-        API_KEY,
-        timeout=settings.outbox_send_timeout,
-        max_connections=settings.outbox_concurrency,
-    )
-    try:
-        yield delivery.Sender(pool, settings, mailer, name, rng=random.Random(7))
-    finally:
-        await mailer.aclose()
-        await pool.close()
-
-
-@asynccontextmanager
-async def running(s: delivery.Sender) -> AsyncIterator[asyncio.Event]:
-    """`s.run()` in the background; stopped (gracefully) on exit."""
-    stop = asyncio.Event()
-    task = asyncio.create_task(s.run(stop))
-    try:
-        yield stop
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, s.settings.outbox_shutdown_timeout + 5)
 
 
 # --- enqueue --------------------------------------------------------------------------------
@@ -942,52 +860,6 @@ async def test_stats_use_the_database_clock(db: asyncpg.Connection) -> None:
 
 
 # --- several OS processes -------------------------------------------------------------------
-
-
-def worker_env(database_url: str, provider: Provider, **settings: Any) -> dict[str, str]:
-    """The environment of a `tests.outbox_worker` process (settings from env only)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "EMAIL_"))}
-    env.update(
-        {
-            "DATABASE_URL": database_url,
-            "EMAIL_BACKEND": "http",
-            "EMAIL_API_URL": provider.url,
-            "EMAIL_API_KEY": API_KEY,
-            "OUTBOX_RATE_LIMIT": "0",
-            "OUTBOX_POLL_INTERVAL": "0.1",
-            "LOG_LEVEL": "WARNING",
-            "PYTHONPATH": str(ROOT),
-        }
-    )
-    env.update({k.upper(): str(v) for k, v in settings.items()})
-    return env
-
-
-def start_worker(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "tests.outbox_worker", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def stop_workers(workers: list[subprocess.Popen[bytes]], log: Path) -> list[int]:
-    for w in workers:
-        if w.poll() is None:
-            w.send_signal(signal.SIGTERM)
-    codes = []
-    for w in workers:
-        try:
-            codes.append(w.wait(15))
-        except subprocess.TimeoutExpired:
-            w.kill()
-            codes.append(w.wait())
-    if any(code not in (0, -signal.SIGKILL) for code in codes):
-        print(log.read_text()[-4000:])
-    return codes
 
 
 @pytest.mark.slow
