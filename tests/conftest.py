@@ -175,7 +175,9 @@ def make_settings(database_url: str) -> Callable[..., Settings]:
 @pytest.fixture
 def dispatch() -> Dispatch:
     """Where `client` sends a request: to an in-process app by its url, else the network."""
-    return Dispatch(limits=httpx.Limits(max_connections=200))
+    # Idle connections expire well before uvicorn's 5 s keep-alive: reusing one the server is
+    # closing at that moment fails the request (httpx.ReadError) instead of retrying it.
+    return Dispatch(limits=httpx.Limits(max_connections=200, keepalive_expiry=2.0))
 
 
 @pytest.fixture

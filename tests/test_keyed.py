@@ -26,7 +26,10 @@ Starter = Callable[..., Any]
 
 @pytest.fixture
 async def client() -> Any:
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=250)) as c:
+    """Room for 200 requests at once; idle connections expire before uvicorn's 5 s keep-alive
+    (see tests/conftest.py's `dispatch`)."""
+    limits = httpx.Limits(max_connections=250, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as c:
         yield c
 
 
