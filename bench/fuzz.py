@@ -44,8 +44,8 @@ def one_seed(server: Server, template: str, seed: int, args: argparse.Namespace)
     dbname = asyncio.run(create_database(server, template=template))
     secret = new_secret()
     workdir = Path(tempfile.mkdtemp(prefix="cronlock-bench-fuzz-"))
-    # The test jobs, as tests/test_fuzz.py fuzzes them.
-    env = instance_env(server.dsn(dbname), secret, jobs="tests.jobs", BENCH_ENDPOINTS="false")
+    # The test jobs, as tests/test_fuzz.py fuzzes them (the plain service: no bench routes).
+    env = instance_env(server.dsn(dbname), secret, jobs="tests.jobs")
     instance = Instance(f"fuzz-{seed}", env, dir=workdir, ready_path="/readyz")
     try:
         instance.start()
