@@ -213,9 +213,9 @@ async def test_200_triggers_for_20_keys_over_3_instances_run_once_per_key_and_sl
     assert [r["status"] for r in runs] == ["succeeded"] * 20
     assert sorted(r["key"] for r in runs) == sorted(str(k) for k in range(1, 21))
     assert await effects_by_key(db, "keyed-yearly") == {str(k): 1 for k in range(1, 21)}
-    # Different keys ran at once, on more than one instance.
+    # Different keys ran at once (on whichever instances won their locks: under load one
+    # instance may win them all, which is as correct).
     assert overlapping(runs), [(r["started_at"], r["finished_at"]) for r in runs]
-    assert len({r["instance"] for r in runs}) >= 2
     # The slot is done per key: every later trigger says so, with its key.
     again = await asyncio.gather(
         *(
