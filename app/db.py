@@ -18,6 +18,7 @@ import asyncpg
 from app import schema
 from app.errors import (
     CONNECTION_ERRORS,
+    DRIVER_ERRORS,
     DatabaseUnavailable,
     describe,
     translate,
@@ -265,12 +266,11 @@ class Database:
             self.problem = self.migration_error = exc.reason
         except DatabaseUnavailable as exc:
             self.problem = exc.reason
-        except CONNECTION_ERRORS as exc:
-            self.problem = f"database unreachable: {describe(exc)}"
-        except asyncpg.PostgresError as exc:
-            # The server's own message goes to the log, not to clients (/readyz, 503 reasons).
-            self.problem = f"database check failed: {describe(exc)}"
-            log.warning("database check failed: %s: %s", describe(exc), exc)
+        except DRIVER_ERRORS as exc:
+            if not isinstance(exc, CONNECTION_ERRORS):
+                # The server's own message goes to the log, not to clients (/readyz, 503s).
+                log.warning("database check failed: %s: %s", describe(exc), exc)
+            self.problem = str(translate(exc))
         finally:
             await self.release(conn)
         return self.problem

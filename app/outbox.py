@@ -196,14 +196,15 @@ WHERE o.id = r.id AND o.claim_token = r.token AND o.status = 'pending'
 RETURNING o.id, o.status
 """
 
-# Give rows back before their lease ends (shutdown, or a lease too short to start a send).
-# A row never sent does not count as an attempt.
-RELEASE_SQL = """
-UPDATE {schema}.email_outbox
+# Give claimed rows (or batches: the same columns) back before their lease ends (shutdown, or
+# a lease too short to start a send). A claim never sent does not count as an attempt.
+_RELEASE = """
+UPDATE {{schema}}.{table}
 SET next_attempt_at = now(), locked_until = NULL, claim_token = NULL,
     attempts = attempts - CASE WHEN $3 THEN 0 ELSE 1 END
 WHERE id = ANY($1::bigint[]) AND claim_token = $2 AND status = 'pending'
 """
+RELEASE_SQL = _RELEASE.format(table="email_outbox")
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,13 +528,8 @@ SELECT b.status AS batch_status, m.id, m.status
 FROM b LEFT JOIN m ON true
 """
 
-# Give batches back before their lease ends; membership and bytes stay frozen.
-RELEASE_BATCHES_SQL = """
-UPDATE {schema}.email_batch
-SET next_attempt_at = now(), locked_until = NULL, claim_token = NULL,
-    attempts = attempts - CASE WHEN $3 THEN 0 ELSE 1 END
-WHERE id = ANY($1::bigint[]) AND claim_token = $2 AND status = 'pending'
-"""
+# Batches go back as rows do (membership and bytes stay frozen).
+RELEASE_BATCHES_SQL = _RELEASE.format(table="email_batch")
 
 
 @dataclass(frozen=True, slots=True)

@@ -284,19 +284,34 @@ class Sender:
         needed = min(self.max_send_time, self.settings.outbox_lease / 2)
         return batch.deadline - time.monotonic() >= needed
 
-    async def _attempt(self, row: Row) -> Mark:
+    def _past_its_end(self, key_age: float, attempts: int, key: str) -> str | None:
+        """Why a claimed row or batch is dead before it is sent, if it is: its key is past the
+        retry window (the provider may no longer know it), or earlier claims all ended without
+        an outcome (the sender died each time)."""
         s = self.settings
-        if row.key_age >= s.outbox_retry_window:
-            return Mark(
-                "dead",
-                error=f"retry window ended before attempt {row.attempts}: the key is "
-                f"{row.key_age:.0f}s old, past OUTBOX_RETRY_WINDOW ({s.outbox_retry_window:g}s)",
+        if key_age >= s.outbox_retry_window:
+            return (
+                f"retry window ended before attempt {attempts}: {key} is {key_age:.0f}s old, "
+                f"past OUTBOX_RETRY_WINDOW ({s.outbox_retry_window:g}s)"
             )
-        if row.attempts > s.outbox_max_attempts:
-            # Earlier claims ended without an outcome (the sender died each time).
-            return Mark(
-                "dead", error=f"claimed {row.attempts - 1} times without an outcome; gave up"
-            )
+        if attempts > s.outbox_max_attempts:
+            return f"claimed {attempts - 1} times without an outcome; gave up"
+        return None
+
+    def _backoff(self, attempts: int, retry_after: float | None) -> float:
+        s = self.settings
+        return backoff_delay(
+            attempts,
+            base=s.outbox_backoff_base,
+            cap=s.outbox_backoff_max,
+            retry_after=retry_after,
+            rng=self._rng,
+        )
+
+    async def _attempt(self, row: Row) -> Mark:
+        reason = self._past_its_end(row.key_age, row.attempts, "the key")
+        if reason is not None:
+            return Mark("dead", error=reason)
         try:
             result = await self.mailer.send(row.email)
         except asyncio.CancelledError:
@@ -308,13 +323,7 @@ class Sender:
             return Mark("sent", message_id=result.message_id)
         if result.status == "failed":
             return Mark("dead", error=result.error or "permanent failure")
-        delay = backoff_delay(
-            row.attempts,
-            base=s.outbox_backoff_base,
-            cap=s.outbox_backoff_max,
-            retry_after=result.retry_after,
-            rng=self._rng,
-        )
+        delay = self._backoff(row.attempts, result.retry_after)
         return Mark("retry", delay=delay, error=result.error or "retryable failure")
 
     async def _finish(self, batch: Claim, row: Row, outcome: Mark) -> None:
@@ -545,18 +554,10 @@ class Sender:
             self._changed.set()
 
     async def _attempt_batch(self, batch: Batch) -> BatchMark:
-        s = self.settings
         assert self._batch_mailer is not None
-        if batch.key_age >= s.outbox_retry_window:
-            return BatchMark(
-                "dead",
-                error=f"retry window ended before attempt {batch.attempts}: the batch key is "
-                f"{batch.key_age:.0f}s old, past OUTBOX_RETRY_WINDOW ({s.outbox_retry_window:g}s)",
-            )
-        if batch.attempts > s.outbox_max_attempts:
-            return BatchMark(
-                "dead", error=f"batch claimed {batch.attempts - 1} times without an outcome"
-            )
+        reason = self._past_its_end(batch.key_age, batch.attempts, "the batch key")
+        if reason is not None:
+            return BatchMark("dead", error=reason)
         try:
             result = await self._batch_mailer.send_batch(batch.key, batch.body, batch.size)
         except asyncio.CancelledError:
@@ -578,13 +579,7 @@ class Sender:
             )
         if answer.status == "failed":
             return BatchMark("dead", error=answer.error or "permanent failure")
-        delay = backoff_delay(
-            batch.attempts,
-            base=s.outbox_backoff_base,
-            cap=s.outbox_backoff_max,
-            retry_after=answer.retry_after,
-            rng=self._rng,
-        )
+        delay = self._backoff(batch.attempts, answer.retry_after)
         return BatchMark("retry", delay=delay, error=answer.error or "retryable failure")
 
     async def _finish_batch(self, batch: Batch, outcome: BatchMark) -> None:
