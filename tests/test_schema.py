@@ -719,3 +719,25 @@ async def test_no_command_prints_a_traceback_on_a_database_without_cronlock(
         assert err.count("\n") == 1, (command, err)
         assert "Traceback" not in out + err
         assert "migrat" in err, (command, err)
+
+
+async def test_a_schema_the_role_may_not_read_is_a_reason_not_a_crash(
+    fresh_url: str, fresh: asyncpg.Connection, run_cli: Cli
+) -> None:
+    """The check of a running instance meets a refusal that is no outage (no USAGE on the
+    schema): its reason says which kind, without the server's own text; nothing raises."""
+    run_cli.env(DATABASE_URL=fresh_url)
+    assert (await run_cli("migrate"))[0] == 0
+    role = unique_name("cl_reader")
+    await fresh.execute(f"CREATE ROLE {role} LOGIN")
+    parts = urlsplit(fresh_url)
+    url = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}"))
+    database = Database(Settings(_env_file=None, database_url=url, migrate_on_start=False))
+    await database.open()
+    try:
+        problem = await database.check(apply_migrations=False)
+    finally:
+        await database.close()
+        await fresh.execute(f"DROP ROLE {role}")
+    assert problem == "database error: database error 42501"
+    assert not database.migrated
