@@ -18,7 +18,9 @@ from app.sql import qualify
 
 COLUMNS = (
     "id, job, key, slot, status, trigger, source, instance, backend_pid, started_at,"
-    " finished_at, duration_ms, params, result, error"
+    " finished_at, duration_ms, params, result, error, attempt, retry_of,"
+    " cancel_requested_at, cancel_requested_by, lease_token, lease_seconds, lease_expires_at,"
+    " deadline_at, checkpoint, progress, steps"
 )
 
 
@@ -39,6 +41,18 @@ class Run:
     params: Any
     result: Any
     error: str | None
+    attempt: int = 1
+    retry_of: int | None = None  # the attempt this one retries or took over from
+    cancel_requested_at: datetime | None = None
+    cancel_requested_by: str | None = None
+    # Lease runs only (app/lease.py); None / 0 for a one-transaction run.
+    lease_token: int | None = None
+    lease_seconds: float | None = None
+    lease_expires_at: datetime | None = None
+    deadline_at: datetime | None = None
+    checkpoint: Any = None
+    progress: Any = None
+    steps: int = 0
 
     @classmethod
     def from_record(cls, r: asyncpg.Record) -> Run:
@@ -67,8 +81,8 @@ async def already_done(
 
 START_SQL = """
 INSERT INTO {schema}.runs
-    (job, slot, trigger, source, instance, backend_pid, started_at, params, key)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+    (job, slot, trigger, source, instance, backend_pid, started_at, params, key, attempt, retry_of)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
 RETURNING id
 """
 
@@ -86,6 +100,8 @@ async def start(
     started_at: datetime,
     params: Any,
     key: str | None = None,
+    attempt: int = 1,
+    retry_of: int | None = None,
 ) -> int:
     """Record a run as `running`, committed at once (outside the lock transaction), so that a
     run in progress can be followed, and a run whose instance died is visible afterwards."""
@@ -100,6 +116,8 @@ async def start(
         started_at,
         params,
         key,
+        attempt,
+        retry_of,
     )
     assert isinstance(run_id, int)
     return run_id
