@@ -30,7 +30,7 @@ from app.db import Conn
 from app.errors import InvalidTrigger, JobDefinitionError
 from app.inputs import json_problem, text_problem
 from app.lock import LockKey, job_lock, lock_key
-from app.schedule import Schedule, ScheduleError
+from app.schedule import Interval, Schedule, ScheduleError, Slots
 from app.settings import Settings
 
 RESERVED_NAMES = frozenset({"jobs", "runs", "locks"})
@@ -78,7 +78,7 @@ JobFunc = Callable[[JobContext], Coroutine[Any, Any, Any]]
 class Job:
     name: str
     func: JobFunc
-    schedule: Schedule | None = None
+    schedule: Slots | None = None  # a cron expression in a zone, or an interval (`every=`)
     timeout: float = 60.0
     # A trigger up to this many seconds before a tick counts for that tick (clock skew);
     # capped at half the schedule's interval.
@@ -141,6 +141,7 @@ def job(
     *,
     schedule: str | None = None,
     tz: str = "UTC",
+    every: float | None = None,
     timeout: float = 60.0,
     early_tolerance: float = 5.0,
     max_lateness: float | None = None,
@@ -160,8 +161,18 @@ def job(
         raise JobDefinitionError(f"job {name!r}: timeout must be positive")
     if early_tolerance < 0 or (max_lateness is not None and max_lateness <= 0):
         raise JobDefinitionError(f"job {name!r}: tolerances must be positive")
+    if every is not None and schedule is not None:
+        raise JobDefinitionError(f"job {name!r}: give schedule= or every=, not both")
+    if every is not None and tz != "UTC":
+        raise JobDefinitionError(f"job {name!r}: every= counts seconds in UTC; drop tz={tz!r}")
     try:
-        parsed = Schedule.parse(schedule, tz) if schedule is not None else None
+        parsed: Slots | None = (
+            Interval.parse(every)
+            if every is not None
+            else Schedule.parse(schedule, tz)
+            if schedule is not None
+            else None
+        )
     except ScheduleError as exc:
         raise JobDefinitionError(f"job {name!r}: {exc}") from exc
     if key is not None:
