@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=cmd_run)
 
     add_ops_commands(sub)
+    add_pause_commands(sub)
     return parser
 
 
@@ -469,6 +470,23 @@ def add_ops_commands(sub: Any) -> None:
     catch_up.set_defaults(handler=cmd_catch_up)
 
 
+def add_pause_commands(sub: Any) -> None:
+    pause = sub.add_parser("pause", help="pause a job on every instance (force=true still runs it)")
+    pause.add_argument("job", type=job_name)
+    pause.add_argument(
+        "--until", type=inputs.timestamp, help="resume on its own then (ISO time with offset)"
+    )
+    pause.add_argument("--note", type=inputs.text(500), help="why (shown in `jobs`)")
+    pause.add_argument("--by", type=inputs.text(200), help="who (default: user@host)")
+    pause.add_argument("--json", action="store_true", help="print JSON (as the HTTP route)")
+    pause.set_defaults(handler=cmd_pause)
+
+    resume = sub.add_parser("resume", help="resume a paused job")
+    resume.add_argument("job", type=job_name)
+    resume.add_argument("--json", action="store_true", help="print JSON (as the HTTP route)")
+    resume.set_defaults(handler=cmd_resume)
+
+
 def _usage(parser: argparse.ArgumentParser) -> int:
     parser.print_help(sys.stderr)
     return EXIT_USAGE
@@ -583,7 +601,11 @@ async def cmd_jobs(args: argparse.Namespace, settings: Settings) -> int:
                 _ms(last.duration_ms) if last else None,
                 running,
                 _when(j.next_slot),
-                "OVERDUE" if j.overdue else ("no" if j.schedule else None),
+                "PAUSED"
+                if j.paused
+                else "OVERDUE"
+                if j.overdue
+                else ("no" if j.schedule else None),
             ]
         )
     headers = [
@@ -790,6 +812,60 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     else:
         print(f"{args.job}: signal sent to pid {first.pid}, lock still held", file=sys.stderr)
     return EXIT_OK if done.released else EXIT_FAILED
+
+
+def _operator() -> str:
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container's)
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+async def cmd_pause(args: argparse.Namespace, settings: Settings) -> int:
+    from app import pause
+    from app.errors import InvalidTrigger
+
+    registry = _load_registry(settings)
+    if args.job not in registry:
+        return _fail(f"unknown job {args.job!r}; known: {', '.join(registry)}", EXIT_USAGE)
+    async with _connection(settings) as conn:
+        try:
+            state = await pause.pause(
+                conn,
+                settings.db_schema,
+                args.job,
+                by=args.by or _operator(),
+                note=args.note,
+                until=args.until,
+            )
+        except InvalidTrigger as exc:
+            return _fail(str(exc.args[0]), EXIT_USAGE)
+    if args.json:
+        _print_json({"job": args.job, "paused": state.model_dump(mode="json")})
+        return EXIT_OK
+    until = f"until {_when(state.until)}" if state.until else "until resumed"
+    note = f" ({state.note})" if state.note else ""
+    print(f"{args.job}: paused by {state.by} since {_when(state.at)}, {until}{note}")
+    return EXIT_OK
+
+
+async def cmd_resume(args: argparse.Namespace, settings: Settings) -> int:
+    from app import pause
+
+    registry = _load_registry(settings)
+    if args.job not in registry:
+        return _fail(f"unknown job {args.job!r}; known: {', '.join(registry)}", EXIT_USAGE)
+    async with _connection(settings) as conn:
+        was = await pause.resume(conn, settings.db_schema, args.job)
+    if args.json:
+        _print_json({"job": args.job, "paused": None, "was_paused": was})
+    else:
+        print(f"{args.job}: resumed" if was else f"{args.job}: was not paused")
+    return EXIT_OK
 
 
 async def cmd_outbox_dead(args: argparse.Namespace, settings: Settings) -> int:

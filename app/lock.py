@@ -291,7 +291,11 @@ async def reset_session(
 # the ledger is not read.
 # Migration 0005 gave the function the run's key (the ledger's done slot is per key); its
 # five-argument form stays for instances of the previous release during a rolling deploy.
-PROBE_SQL = "SELECT db_now, standby, done_slot, running FROM {schema}.probe($1, $2, $3, $4, $5, $6)"
+# Migration 0010 added whether the job is paused (app/pause.py), in a seven-argument form.
+PROBE_SQL = (
+    "SELECT db_now, standby, done_slot, running, paused"
+    " FROM {schema}.probe($1, $2, $3, $4, $5, $6, true)"
+)
 
 
 async def probe(
@@ -304,7 +308,8 @@ async def probe(
     done_hint: datetime | None = None,
     run_key: str | None = None,
 ) -> asyncpg.Record:
-    """Returns `db_now`, `standby`, `done_slot` (None without a ledger look) and `running`.
+    """Returns `db_now`, `standby`, `done_slot` (None without a ledger look), `running` and
+    `paused` (when true, `done_slot` and `running` are None: nothing else was read).
 
     `running` is None when `done_hint` equals `done_slot`: the slot the caller expects is done
     (if the database's clock agrees), so the lock table was not read.

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal, get_args
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
-from app import ledger, outbox
+from app import ledger, outbox, pause
 from app.db import Conn, deadline
 from app.errors import (
     DRIVER_ERRORS,
@@ -165,7 +165,8 @@ class JobView(BaseModel):
     running: bool
     running_on: Holder | None  # the oldest holder, for a keyed job one of `running_keys`
     running_keys: list[Holder]  # every run in progress, with its key: which keys run where
-    overdue: bool
+    overdue: bool  # never while paused: a paused job says so in `paused` instead
+    paused: pause.Paused | None = None  # who paused it, when, why and until when (app/pause.py)
 
 
 class JobsView(BaseModel):
@@ -278,6 +279,7 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
     holders = _holders(await locks(conn, registry), registry)
     last = await ledger.last_runs(conn, registry.schema, names)
     succeeded = await ledger.last_succeeded_slots(conn, registry.schema, names)
+    paused = await pause.active(conn, registry.schema)
     views = []
     for job in registry.values():
         current = nxt = None
@@ -308,7 +310,8 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
                 running=bool(running),
                 running_on=running[0] if running else None,
                 running_keys=running,
-                overdue=is_overdue(job, now, succeeded.get(job.name)),
+                overdue=job.name not in paused and is_overdue(job, now, succeeded.get(job.name)),
+                paused=paused.get(job.name),
             )
         )
     return JobsView(now=now, jobs=views)

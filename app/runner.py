@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from app import ledger
+from app import ledger, pause
 from app.db import Conn, Database, deadline, terminate
 from app.errors import (
     DATABASE_ERRORS,
@@ -178,6 +178,8 @@ class Runner:
             await self.db.release(conn)
         if row["standby"]:
             raise DatabaseUnavailable(STANDBY_REASON)
+        if row["paused"]:
+            return self._skip(job, "paused", None, "scheduled", source, key)
         # When both hold (a concurrent trigger is looking at a slot that is done), "already
         # done" wins: it is the more useful answer, and the lock holder can only be deciding.
         if job.schedule is not None:
@@ -263,6 +265,12 @@ class Runner:
                 if not row["locked"]:
                     return self._skip(job, "already running", None, trigger, source, key)
                 now: datetime = row["db_now"]
+                # Under the lock too: a pause committed since the probe still stops the run.
+                # A manual run (force=true) is an operator's and runs anyway.
+                if trigger != "manual" and await pause.is_paused(
+                    conn, self.settings.db_schema, job.name
+                ):
+                    return self._skip(job, "paused", None, trigger, source, key)
                 skip, slot = await self._slot(conn, job, key, trigger, backfill, now)
             if skip is not None:
                 return self._skip(job, skip, slot, trigger, source, key)
