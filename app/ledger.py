@@ -312,3 +312,28 @@ SELECT EXISTS (
 async def slot_attempted(conn: Conn | asyncpg.Pool, schema: str, job: str, slot: datetime) -> bool:
     """Whether any scheduled or backfill run, whatever its outcome, was made for this slot."""
     return bool(await conn.fetchval(qualify(SLOT_ATTEMPTED_SQL, schema), job, slot))
+
+
+# The missed-slot policy `all` (app/catchup.py): which recent slots have any attempt, and
+# where the job's history starts (slots before its first run were never missed).
+ATTEMPTED_SINCE_SQL = """
+SELECT DISTINCT slot FROM {schema}.runs
+WHERE job = $1 AND slot >= $2 AND trigger IN ('scheduled', 'backfill')
+"""
+FIRST_SLOT_SQL = """
+SELECT min(slot) FROM {schema}.runs WHERE job = $1 AND trigger IN ('scheduled', 'backfill')
+"""
+
+
+async def attempted_slots(
+    conn: Conn | asyncpg.Pool, schema: str, job: str, since: datetime
+) -> set[datetime]:
+    """Slots from `since` on with a scheduled or backfill run, whatever its outcome."""
+    rows = await conn.fetch(qualify(ATTEMPTED_SINCE_SQL, schema), job, since)
+    return {r["slot"] for r in rows}
+
+
+async def first_slot(conn: Conn | asyncpg.Pool, schema: str, job: str) -> datetime | None:
+    """The oldest slot the ledger has a scheduled or backfill run for."""
+    found: datetime | None = await conn.fetchval(qualify(FIRST_SLOT_SQL, schema), job)
+    return found

@@ -13,7 +13,7 @@ from typing import TypedDict
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from app import __version__, api, catchup, logs, sender
+from app import __version__, api, catchup, logs, scheduler, sender
 from app.auth import BearerAuth
 from app.db import Database
 from app.errors import JobDefinitionError
@@ -61,6 +61,10 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
         tasks = [asyncio.create_task(db.watch(stop), name="db-watch")]
         if any(job.catch_up for job in registry.values()):
             tasks.append(asyncio.create_task(catchup.catch_up_loop(runner, stop), name="catch-up"))
+        if settings.scheduler_enabled:
+            tasks.append(
+                asyncio.create_task(scheduler.scheduler_loop(runner, stop), name="scheduler")
+            )
         if settings.outbox_enabled:
             tasks.append(asyncio.create_task(_deliver(db, settings, stop), name="outbox"))
         # What exists now (the app, its routes and models, imported modules) lives as long as

@@ -93,6 +93,11 @@ class Metrics:
             ["job"],
             registry=r,
         )
+        self.clock_offset = Gauge(
+            "cronlock_scheduler_clock_offset_seconds",
+            "The database's clock minus this instance's, as the built-in scheduler measured it.",
+            registry=r,
+        )
         self.outbox_depth = Gauge(
             "cronlock_outbox_depth", "Emails waiting to be sent (pending).", registry=r
         )

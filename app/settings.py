@@ -83,8 +83,17 @@ class Settings(BaseSettings):
     cron_allow_get: bool = False
     max_body_bytes: int = Field(default=65536, ge=0)
     backfill_window: float = Field(default=7 * 86400.0, ge=0)
-    # How often an instance looks for missed slots of jobs with `catch_up=True`.
+    # How often an instance looks for missed slots of jobs with a missed-slot policy
+    # (`missed="latest"` or `"all"`, or `catch_up=True`).
     catch_up_interval: float = Field(default=60.0, gt=0)
+    # The built-in scheduler (app/scheduler.py): every instance triggers every scheduled job at
+    # each of its slots, on the database's clock; the lock and the ledger make it one run.
+    scheduler_enabled: bool = False
+    # Each trigger waits a random 0..jitter seconds after its slot (at most a quarter of the
+    # job's interval), so the instances do not all hit the database in the same millisecond.
+    scheduler_jitter: float = Field(default=0.5, ge=0)
+    # How often the offset between this instance's clock and the database's is measured again.
+    scheduler_clock_interval: float = Field(default=60.0, gt=0)
     ledger_retention_days: float = Field(default=90.0, gt=0)
     # uvicorn waits for ever for running requests by default; a job in flight at SIGTERM
     # gets this long, then is cancelled and rolled back.
