@@ -601,11 +601,7 @@ async def cmd_jobs(args: argparse.Namespace, settings: Settings) -> int:
                 _ms(last.duration_ms) if last else None,
                 running,
                 _when(j.next_slot),
-                "PAUSED"
-                if j.paused
-                else "OVERDUE"
-                if j.overdue
-                else ("no" if j.schedule else None),
+                _late(j),
             ]
         )
     headers = [
@@ -622,6 +618,17 @@ async def cmd_jobs(args: argparse.Namespace, settings: Settings) -> int:
     print(_table(headers, rows))
     print(f"(database time {_when(view.now)})")
     return EXIT_OK
+
+
+def _late(j: Any) -> str | None:
+    """The jobs table's LATE column: paused, waiting for a retry, overdue, or not."""
+    if j.paused:
+        return "PAUSED"
+    if j.retry:
+        return f"retry {j.retry.retry}/{j.retry.of} at {_when(j.retry.at)}"
+    if j.overdue:
+        return "OVERDUE"
+    return "no" if j.schedule else None
 
 
 async def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:

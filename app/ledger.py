@@ -337,3 +337,40 @@ async def first_slot(conn: Conn | asyncpg.Pool, schema: str, job: str) -> dateti
     """The oldest slot the ledger has a scheduled or backfill run for."""
     found: datetime | None = await conn.fetchval(qualify(FIRST_SLOT_SQL, schema), job)
     return found
+
+
+# --- retries (app/retries.py) ------------------------------------------------------------
+
+RETRIED_SQL = "SELECT EXISTS (SELECT 1 FROM {schema}.runs WHERE retry_of = $1)"
+
+
+async def retried(conn: Conn | asyncpg.Pool, schema: str, run_id: int) -> bool:
+    """Whether an attempt retrying `run_id` exists (the runner asks under the job's lock)."""
+    return bool(await conn.fetchval(qualify(RETRIED_SQL, schema), run_id))
+
+
+# The newest attempt of each recent (job, key, slot) that did not succeed and was not retried
+# yet, and whose slot has no success at all (a scheduler's own retry may have made one).
+LAST_FAILED_ATTEMPTS_SQL = f"""
+SELECT {COLUMNS} FROM (
+    SELECT DISTINCT ON (job, coalesce(key, ''), slot) {COLUMNS} FROM {{schema}}.runs
+    WHERE job = ANY($1::text[]) AND slot >= $2 AND trigger IN ('scheduled', 'backfill')
+      AND status <> 'running'
+    ORDER BY job, coalesce(key, ''), slot, attempt DESC, id DESC
+) AS r
+WHERE r.status IN ('failed', 'timed_out', 'abandoned')
+  AND NOT EXISTS (SELECT 1 FROM {{schema}}.runs n WHERE n.retry_of = r.id)
+  AND NOT EXISTS (
+      SELECT 1 FROM {{schema}}.runs s
+      WHERE s.job = r.job AND coalesce(s.key, '') = coalesce(r.key, '') AND s.slot = r.slot
+        AND s.status IN ('succeeded', 'running') AND s.trigger IN ('scheduled', 'backfill'))
+ORDER BY r.slot, r.id
+"""
+
+
+async def last_failed_attempts(
+    conn: Conn | asyncpg.Pool, schema: str, jobs: list[str], since: datetime
+) -> list[Run]:
+    """The attempts a retry may follow: see LAST_FAILED_ATTEMPTS_SQL; oldest slot first."""
+    rows = await conn.fetch(qualify(LAST_FAILED_ATTEMPTS_SQL, schema), jobs, since)
+    return [Run.from_record(r) for r in rows]

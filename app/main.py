@@ -13,7 +13,7 @@ from typing import TypedDict
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from app import __version__, api, catchup, logs, scheduler, sender
+from app import __version__, api, catchup, logs, retries, scheduler, sender
 from app.auth import BearerAuth
 from app.db import Database
 from app.errors import JobDefinitionError
@@ -61,6 +61,8 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
         tasks = [asyncio.create_task(db.watch(stop), name="db-watch")]
         if any(job.catch_up for job in registry.values()):
             tasks.append(asyncio.create_task(catchup.catch_up_loop(runner, stop), name="catch-up"))
+        if any(job.retries for job in registry.values()):
+            tasks.append(asyncio.create_task(retries.retry_loop(runner, stop), name="retries"))
         if settings.scheduler_enabled:
             tasks.append(
                 asyncio.create_task(scheduler.scheduler_loop(runner, stop), name="scheduler")

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal, get_args
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
-from app import ledger, outbox, pause
+from app import ledger, outbox, pause, retries
 from app.db import Conn, deadline
 from app.errors import (
     DRIVER_ERRORS,
@@ -60,6 +60,10 @@ NOW_SQL = "SELECT now()"
 CANCEL_SQL = "SELECT pg_cancel_backend($1)"
 TERMINATE_SQL = "SELECT pg_terminate_backend($1)"
 
+
+# How far back /cron/jobs looks for failed slots waiting for a retry (a retry older than this
+# is long given up by max_lateness or the backfill window in any sane configuration).
+RETRY_VIEW_WINDOW = 86400.0
 
 # The name of the lock that serialises catch-up decisions (app/catchup.py), so that `locks`
 # can name it.
@@ -167,6 +171,9 @@ class JobView(BaseModel):
     running_keys: list[Holder]  # every run in progress, with its key: which keys run where
     overdue: bool  # never while paused: a paused job says so in `paused` instead
     paused: pause.Paused | None = None  # who paused it, when, why and until when (app/pause.py)
+    # Its oldest failed slot that cronlock will retry (app/retries.py): "failing, retry 2 of 3
+    # at T"; None when nothing is waiting for a retry.
+    retry: retries.RetryView | None = None
 
 
 class JobsView(BaseModel):
@@ -280,6 +287,7 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
     last = await ledger.last_runs(conn, registry.schema, names)
     succeeded = await ledger.last_succeeded_slots(conn, registry.schema, names)
     paused = await pause.active(conn, registry.schema)
+    retrying = await retries.pending(conn, registry, now, RETRY_VIEW_WINDOW)
     views = []
     for job in registry.values():
         current = nxt = None
@@ -312,6 +320,7 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
                 running_keys=running,
                 overdue=job.name not in paused and is_overdue(job, now, succeeded.get(job.name)),
                 paused=paused.get(job.name),
+                retry=retries.view(retrying[job.name][0], job) if job.name in retrying else None,
             )
         )
     return JobsView(now=now, jobs=views)

@@ -105,8 +105,10 @@ class Runner:
         params: Any = None,
         wait: bool = True,
         source: str = "http",
+        retry_of: ledger.Run | None = None,
     ) -> Outcome:
-        """Run `job` if it is not running anywhere and its slot is not done yet."""
+        """Run `job` if it is not running anywhere and its slot is not done yet. `retry_of`:
+        this run is the next attempt at that failed one, for its slot (app/retries.py)."""
         trigger: Trigger = "manual" if force else "backfill" if slot is not None else "scheduled"
         if slot is not None:
             self._check_backfill_slot(job, slot, force)
@@ -122,7 +124,7 @@ class Runner:
                 skipped = await self._probe(job, key, source)
                 if skipped is not None:
                     return skipped
-            lease_or_skip = await self._acquire(job, key, trigger, slot, params, source)
+            lease_or_skip = await self._acquire(job, key, trigger, slot, params, source, retry_of)
             if isinstance(lease_or_skip, Outcome):
                 return lease_or_skip
             lease = lease_or_skip
@@ -232,6 +234,7 @@ class Runner:
         backfill: datetime | None,
         params: Any,
         source: str,
+        retry_of: ledger.Run | None = None,
     ) -> _Lease | Outcome:
         await self.db.ensure_ready()
         try:
@@ -271,6 +274,11 @@ class Runner:
                     conn, self.settings.db_schema, job.name
                 ):
                     return self._skip(job, "paused", None, trigger, source, key)
+                # Under the lock: another instance may have made this retry already.
+                if retry_of is not None and await ledger.retried(
+                    conn, self.settings.db_schema, retry_of.id
+                ):
+                    return self._skip(job, "already retried", backfill, trigger, source, key)
                 skip, slot = await self._slot(conn, job, key, trigger, backfill, now)
             if skip is not None:
                 return self._skip(job, skip, slot, trigger, source, key)
@@ -289,6 +297,8 @@ class Runner:
                     if hasattr(params, "model_dump")
                     else None,
                     key=key,
+                    attempt=retry_of.attempt + 1 if retry_of is not None else 1,
+                    retry_of=retry_of.id if retry_of is not None else None,
                 )
             ctx = JobContext(
                 conn=conn,

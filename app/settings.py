@@ -86,6 +86,8 @@ class Settings(BaseSettings):
     # How often an instance looks for missed slots of jobs with a missed-slot policy
     # (`missed="latest"` or `"all"`, or `catch_up=True`).
     catch_up_interval: float = Field(default=60.0, gt=0)
+    # How often each instance looks for due retries of jobs with `retries=` (app/retries.py).
+    retry_poll_interval: float = Field(default=5.0, gt=0)
     # The built-in scheduler (app/scheduler.py): every instance triggers every scheduled job at
     # each of its slots, on the database's clock; the lock and the ledger make it one run.
     scheduler_enabled: bool = False

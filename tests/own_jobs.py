@@ -3,6 +3,8 @@ missed-slot policies, retries, pause. Effects go to `job_effects`, as tests/jobs
 
 from __future__ import annotations
 
+import asyncio
+
 from app.jobs import JobContext, job
 from tests.jobs import record
 
@@ -18,3 +20,26 @@ async def tick(ctx: JobContext) -> int:
 async def tick_latest(ctx: JobContext) -> int:
     await record(ctx)
     return 1
+
+
+FAILED_BEFORE_SQL = """
+SELECT count(*) FROM cronlock.runs
+WHERE job = $1 AND slot = $2 AND status IN ('failed', 'timed_out', 'abandoned')
+"""
+
+
+@job("flaky", every=3600, retries=3, retry_delay=0.3, timeout=10)
+async def flaky(ctx: JobContext) -> int:
+    """Fails its first two attempts at a slot (counted in the ledger), then succeeds; each
+    attempt holds the lock for half a second."""
+    await asyncio.sleep(0.5)
+    failed = await ctx.conn.fetchval(FAILED_BEFORE_SQL, ctx.job.name, ctx.slot)
+    if failed < 2:
+        raise RuntimeError(f"attempt {failed + 1} fails on purpose")
+    await record(ctx)
+    return 1
+
+
+@job("always-fails", every=3600, retries=2, retry_delay=0.2, timeout=10)
+async def always_fails(ctx: JobContext) -> int:
+    raise RuntimeError("never works")
