@@ -22,6 +22,13 @@ async def tick_latest(ctx: JobContext) -> int:
     return 1
 
 
+@job("heartbeat", every=1, grace=1, timeout=5)
+async def heartbeat(ctx: JobContext) -> int:
+    """Every second, missed slots left alone (missed="none"): the pause proof's job."""
+    await record(ctx)
+    return 1
+
+
 FAILED_BEFORE_SQL = """
 SELECT count(*) FROM cronlock.runs
 WHERE job = $1 AND slot = $2 AND status IN ('failed', 'timed_out', 'abandoned')
