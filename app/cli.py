@@ -399,15 +399,17 @@ def add_ops_commands(sub: Any) -> None:
     trigger.set_defaults(handler=cmd_trigger)
 
     cancel = sub.add_parser(
-        "cancel", help="cancel the running holder's statement (pg_cancel_backend); it rolls back"
+        "cancel",
+        help="stop a running job: its holder cancels it and rolls back (after CANCEL_GRACE, "
+        "the database cancels or terminates the holder's backend)",
     )
     cancel.add_argument("job", type=job_name)
     cancel.add_argument("--key", type=KEY, help="a keyed job's run to cancel (its key)")
     cancel.add_argument(
         "--terminate",
         action="store_true",
-        help="end the holder's session instead (pg_terminate_backend), e.g. when it is idle "
-        "in its transaction between statements",
+        help="end the holder's session at once (pg_terminate_backend, only while it still "
+        "holds the lock) instead of asking the holder",
     )
     cancel.add_argument(
         "--wait", type=inputs.seconds, default=10.0, help="seconds to wait for the lock to go"
@@ -787,6 +789,7 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
             terminate=args.terminate,
             wait=args.wait,
             key=args.key,
+            by=_operator(),
         )
     if done is None:
         which = args.job if args.key is None else f"{args.job} key {args.key}"
@@ -798,7 +801,9 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
         "instance": first.instance,
         "run_id": first.run_id,
         "key": first.job_key,
-        "signal": "terminate" if args.terminate else "cancel",
+        # holder: the holder cancelled its job on request; cancel / terminate: the database-side
+        # fallback (or --terminate); none: nothing reached it.
+        "signal": done.how,
         "released": done.released,
         "run": run.model_dump(mode="json") if run is not None else None,
     }
@@ -806,25 +811,30 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
         print(json.dumps(result))
     elif done.released:
         status = run.status if run is not None else "unknown"
+        how = {
+            "holder": f"cancelled by its holder on {first.instance}",
+            "cancel": f"pg_cancel_backend sent to pid {first.pid} on {first.instance}",
+            "terminate": f"pg_terminate_backend sent to pid {first.pid} on {first.instance}",
+        }.get(done.how, "ended")
+        print(f"{args.job}: {how}; lock released; run {first.run_id} recorded as {status}")
+    else:
         print(
-            f"{args.job}: {result['signal']} sent to pid {first.pid} on {first.instance}; "
-            f"lock released; run {first.run_id} recorded as {status}"
-        )
-    elif not done.signalled:
-        print(
-            f"{args.job}: pid {first.pid} on {first.instance} ran no statement for {args.wait:g} s "
-            "(idle in transaction): a cancel only reaches a running statement; use --terminate",
+            f"{args.job}: asked ({done.how}), but pid {first.pid} on {first.instance} still "
+            f"holds the lock after {args.wait:g} s",
             file=sys.stderr,
         )
-    else:
-        print(f"{args.job}: signal sent to pid {first.pid}, lock still held", file=sys.stderr)
     return EXIT_OK if done.released else EXIT_FAILED
 
 
 def _operator() -> str:
+    """Who runs this command, for `pause` and `cancel` to record: CRONLOCK_OPERATOR (from the
+    process environment), else user@host."""
     import getpass
     import socket
 
+    named = os.environ.get("CRONLOCK_OPERATOR", "").strip()
+    if named:
+        return named
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (a container's)

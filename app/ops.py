@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal, get_args
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
+from app import cancel as requests
 from app import ledger, outbox, pause, retries
 from app.db import Conn, deadline
 from app.errors import (
@@ -394,13 +395,15 @@ async def reading(conn: Conn, *, input_from: tuple[str, ...] | None = None) -> A
 
 @dataclass(frozen=True)
 class Cancelled:
-    """What `cancel` did: the lock's holder as first seen, whether a signal reached it, whether
-    the lock was released within the wait, and the run as recorded afterwards."""
+    """What `cancel` did: the lock's holder as first seen, how it was reached (`holder`: the
+    holder cancelled its job on request; `cancel` / `terminate`: the database-side fallback),
+    whether the lock was released within the wait, and the run as recorded afterwards."""
 
     holder: LockView
     signalled: bool
     released: bool
     run: RunView | None
+    how: Literal["holder", "cancel", "terminate", "none"] = "none"
 
 
 async def cancel(
@@ -412,11 +415,17 @@ async def cancel(
     terminate: bool,
     wait: float,
     key: str | None = None,
+    by: str = "cli",
 ) -> Cancelled | None:
-    """Cancel (or terminate) the backend holding `job`'s lock and wait up to `wait` seconds for
-    the lock to go; None when the job is not running. For a keyed job, `key` picks the run
-    (without it, the oldest of its runs). Each step is bounded by DB_QUERY_TIMEOUT, not the
-    whole wait (`conn` is not bounded)."""
+    """Stop the run holding `job`'s lock and wait up to `wait` seconds for the lock to go;
+    None when the job is not running. For a keyed job, `key` picks the run (without it, the
+    oldest of its runs). Each step is bounded by DB_QUERY_TIMEOUT, not the whole wait (`conn`
+    is not bounded).
+
+    The request goes to the holder through its ledger row (app/cancel.py); a holder that has
+    not let go after CANCEL_GRACE seconds gets pg_cancel_backend (a statement in progress) or
+    pg_terminate_backend (idle in its transaction), sent only while the pid still holds the
+    lock. `terminate` goes straight to pg_terminate_backend."""
 
     async def holder() -> LockView | None:
         with deadline(conn, settings.db_query_timeout):
@@ -431,27 +440,46 @@ async def cancel(
             None,
         )
 
+    lock = registry.lock(job, key)
+
     async def send(pid: int, *, terminate: bool) -> bool:
         with deadline(conn, settings.db_query_timeout):
-            return await signal_holder(conn, pid, terminate=terminate)
+            return await requests.signal_holder(conn, pid, lock, terminate=terminate)
 
     first = await holder()
     if first is None:
         return None
-    give_up_at = time.monotonic() + wait
+    if first.job_key is not None:
+        lock = registry.lock(job, first.job_key)
+    started = time.monotonic()
+    give_up_at = started + wait
+    fallback_at = started + min(settings.cancel_grace, wait)
     signalled = released = False
+    how: Literal["holder", "cancel", "terminate", "none"] = "none"
+    if not terminate and first.run_id is not None:
+        with deadline(conn, settings.db_query_timeout):
+            signalled = await requests.request(conn, settings.db_schema, first.run_id, by)
+        how = "holder" if signalled else how
+    else:  # --terminate, or no run row to write the request on: the database-side way
+        fallback_at = started
     current = first
     while True:
-        # A cancel reaches only a statement in progress; between statements (idle in
-        # transaction) it is ignored, so it is sent whenever one is running.
-        if terminate and not signalled:
-            signalled = await send(first.pid, terminate=True)
-        elif not terminate and current.state == "active":
-            signalled = await send(first.pid, terminate=False) or signalled
+        if time.monotonic() >= fallback_at and how in ("holder", "none"):
+            # The holder did not react in time (frozen, its loop blocked), or cannot be asked.
+            hard = terminate or current.state != "active"
+            if await send(first.pid, terminate=hard):
+                signalled, how = True, "terminate" if hard else "cancel"
         await asyncio.sleep(0.1)
         now_held = await holder()
         # Released, or already held by a newer run (a pooled backend may be reused at once).
-        if now_held is None or (now_held.pid, now_held.run_id) != (first.pid, first.run_id):
+        # The same backend with no running row is not released: the holder recorded its run
+        # as cancelled and closed its connection, and the server has not noticed yet (a
+        # statement in progress notices within DB_CLIENT_CHECK_INTERVAL).
+        if (
+            now_held is None
+            or now_held.pid != first.pid
+            or now_held.run_id not in (None, first.run_id)
+        ):
             released = True
             break
         current = now_held
@@ -472,7 +500,7 @@ async def cancel(
             with deadline(conn, settings.db_query_timeout):
                 await sweep(conn, settings, job)
             await asyncio.sleep(0.1)
-    return Cancelled(first, signalled, released, found)
+    return Cancelled(first, signalled, released, found, how)
 
 
 async def signal_holder(conn: Conn, pid: int, *, terminate: bool) -> bool:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from app import ledger, pause
+from app import cancel, ledger, pause
 from app.db import Conn, Database, deadline, terminate
 from app.errors import (
     DATABASE_ERRORS,
@@ -364,12 +364,31 @@ class Runner:
             task: asyncio.Task[Any] = asyncio.create_task(
                 job.func(ctx), name=f"job:{job.name}:{ctx.run_id}"
             )
+            # The holder watches its row for a cancel request (app/cancel.py): any instance
+            # can write one, and it reaches a job whatever it awaits.
+            watcher = asyncio.create_task(
+                cancel.watch(
+                    self.db,
+                    self.settings.db_schema,
+                    ctx.run_id,
+                    self.settings.cancel_poll_interval,
+                ),
+                name=f"cancel-watch:{ctx.run_id}",
+            )
             try:
-                done, _ = await asyncio.wait({task}, timeout=job.timeout)
+                done, _ = await asyncio.wait(
+                    {task, watcher}, timeout=job.timeout, return_when=asyncio.FIRST_COMPLETED
+                )
             except asyncio.CancelledError:
                 # Shutdown past its grace period: roll back and record why, then go.
                 await self._abort(lease, task, "cancelled", "instance shut down while running")
                 raise
+            finally:
+                watcher.cancel()
+            if watcher in done and task not in done:
+                by = watcher.result()
+                await self._abort(lease, task, "cancelled", f"cancelled at the request of {by}")
+                return self._outcome(lease, "cancelled", source, reason=f"cancelled by {by}")
             if not done:
                 await self._abort(
                     lease, task, "timed_out", f"exceeded its timeout of {job.timeout} s"

@@ -86,6 +86,12 @@ class Settings(BaseSettings):
     # How often an instance looks for missed slots of jobs with a missed-slot policy
     # (`missed="latest"` or `"all"`, or `catch_up=True`).
     catch_up_interval: float = Field(default=60.0, gt=0)
+    # A running job's holder looks at its ledger row this often for a cancel request
+    # (`python -m app cancel`, app/cancel.py).
+    cancel_poll_interval: float = Field(default=0.5, gt=0)
+    # How long `cancel` waits for the holder to react before it cancels or terminates the
+    # holder's backend from the database instead.
+    cancel_grace: float = Field(default=5.0, ge=0)
     # How often each instance looks for due retries of jobs with `retries=` (app/retries.py).
     retry_poll_interval: float = Field(default=5.0, gt=0)
     # The built-in scheduler (app/scheduler.py): every instance triggers every scheduled job at
