@@ -105,6 +105,10 @@ class Job:
     # seconds, doubling after each.
     retries: int = 0
     retry_delay: float = 30.0
+    # Alerts (app/alerts.py): this job's Healthchecks.io-style ping URL and webhook URL; None
+    # falls back to ALERT_PING_URL / ALERT_WEBHOOK_URL.
+    ping_url: str | None = None
+    webhook_url: str | None = None
 
     @property
     def missed_policy(self) -> Missed:
@@ -171,6 +175,8 @@ def job(
     missed: Missed | None = None,
     retries: int = 0,
     retry_delay: float = 30.0,
+    ping_url: str | None = None,
+    webhook_url: str | None = None,
 ) -> Callable[[JobFunc], JobFunc]:
     """Declare a job. Jobs are collected from the modules named in the CRON_JOBS setting."""
     if not NAME_PATTERN.match(name):
@@ -230,6 +236,8 @@ def job(
             missed=policy,
             retries=retries,
             retry_delay=retry_delay,
+            ping_url=ping_url,
+            webhook_url=webhook_url,
         )
         previous = _DECLARED.get(name)
         if previous is not None and previous.module != declared.module:

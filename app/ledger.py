@@ -374,3 +374,39 @@ async def last_failed_attempts(
     """The attempts a retry may follow: see LAST_FAILED_ATTEMPTS_SQL; oldest slot first."""
     rows = await conn.fetch(qualify(LAST_FAILED_ATTEMPTS_SQL, schema), jobs, since)
     return [Run.from_record(r) for r in rows]
+
+
+# --- alerts (app/alerts.py): what started or finished since the scanner's last look ---------
+
+STARTED_SINCE_SQL = f"""
+SELECT {COLUMNS} FROM {{schema}}.runs
+WHERE started_at >= $1 AND job = ANY($2::text[]) ORDER BY id
+"""
+FINISHED_SINCE_SQL = f"""
+SELECT {COLUMNS} FROM {{schema}}.runs
+WHERE finished_at >= $1 AND job = ANY($2::text[]) AND status <> 'running' ORDER BY id
+"""
+# The outcome before this run's, of its job and key (cancelled runs say nothing of health).
+PREVIOUS_STATUS_SQL = """
+SELECT status FROM {schema}.runs
+WHERE job = $1 AND coalesce(key, '') = coalesce($3::text, '') AND id < $2
+  AND status NOT IN ('running', 'cancelled')
+ORDER BY id DESC LIMIT 1
+"""
+
+
+async def started_since(conn: Conn, schema: str, jobs: list[str], since: datetime) -> list[Run]:
+    rows = await conn.fetch(qualify(STARTED_SINCE_SQL, schema), since, jobs)
+    return [Run.from_record(r) for r in rows]
+
+
+async def finished_since(conn: Conn, schema: str, jobs: list[str], since: datetime) -> list[Run]:
+    rows = await conn.fetch(qualify(FINISHED_SINCE_SQL, schema), since, jobs)
+    return [Run.from_record(r) for r in rows]
+
+
+async def previous_status(conn: Conn, schema: str, run: Run) -> str | None:
+    found: str | None = await conn.fetchval(
+        qualify(PREVIOUS_STATUS_SQL, schema), run.job, run.id, run.key
+    )
+    return found

@@ -112,6 +112,31 @@ class Settings(BaseSettings):
     log_format: Literal["auto", "json", "text"] = "auto"
     log_level: str = "INFO"
 
+    # --- alerts (app/alerts.py) --------------------------------------------------------------
+    # A webhook for every job without its own `webhook_url=`: failed, timed_out, overdue,
+    # recovered, paused_too_long (and lease_lost) events, signed the Standard Webhooks way
+    # with ALERT_WEBHOOK_SECRET (`whsec_` + base64 of the key; required with any webhook).
+    alert_webhook_url: str | None = None
+    alert_webhook_secret: SecretStr | None = None
+    # A Healthchecks.io-style ping URL for every job without its own `ping_url=`; `{job}` is
+    # replaced by the job's name (e.g. https://hc-ping.com/<ping-key>/{job}). Start pings go
+    # to <url>/start, failures to <url>/fail, successes to <url>.
+    alert_ping_url: str | None = None
+    # How often each instance looks for new events and sends what is due.
+    alert_poll_interval: float = Field(default=2.0, gt=0)
+    # A paused job raises `paused_too_long` once it has been paused this long.
+    alert_paused_too_long: float = Field(default=86400.0, gt=0)
+    # Events this old are still raised by an instance that starts (after an outage of all).
+    alert_lookback: float = Field(default=3600.0, gt=0)
+    alert_send_timeout: float = Field(default=10.0, gt=0)
+    # A claimed alert not marked sent within this is sent again by another instance.
+    alert_lease: float = Field(default=30.0, gt=0)
+    alert_max_attempts: int = Field(default=20, ge=1)
+    alert_backoff_base: float = Field(default=1.0, gt=0)
+    alert_backoff_max: float = Field(default=300.0, gt=0)
+    # Webhooks are given up after this long (pings: after the job's grace).
+    alert_retry_window: float = Field(default=86400.0, gt=0)
+
     # --- outbox delivery --------------------------------------------------------------------
     outbox_enabled: bool = True
     outbox_batch_size: int = Field(default=50, ge=1)
@@ -159,7 +184,13 @@ class Settings(BaseSettings):
     def _schema_name(cls, v: str) -> str:
         return check_name(v)
 
-    @field_validator("cron_secret", "cron_secret_previous", "cron_read_token", "metrics_token")
+    @field_validator(
+        "cron_secret",
+        "cron_secret_previous",
+        "cron_read_token",
+        "metrics_token",
+        "alert_webhook_secret",
+    )
     @classmethod
     def _blank_is_unset(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and not v.get_secret_value().strip():

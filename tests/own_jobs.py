@@ -50,3 +50,9 @@ async def flaky(ctx: JobContext) -> int:
 @job("always-fails", every=3600, retries=2, retry_delay=0.2, timeout=10)
 async def always_fails(ctx: JobContext) -> int:
     raise RuntimeError("never works")
+
+
+@job("hourly-late", every=3600, grace=1, timeout=5)
+async def hourly_late(ctx: JobContext) -> int:
+    """Overdue a second after each hour begins, until a run succeeds: the alerts' overdue job."""
+    return 1
