@@ -67,12 +67,19 @@ async def signal_holder(conn: Conn, pid: int, key: LockKey, *, terminate: bool) 
     return bool(await conn.fetchval(SIGNAL_HOLDER_SQL, pid, key.key, terminate))
 
 
-async def watch(db: Database, schema: str, run_id: int, interval: float) -> str:
-    """Return (who asked) once a cancel of `run_id` is requested; polls the run's row on a
-    pooled connection of its own (the job's is busy). A poll that fails is skipped: the
-    database-side fallback still reaches a holder that cannot see its row."""
+async def watch(
+    db: Database, schema: str, run_id: int, interval: float, stop: asyncio.Event
+) -> str | None:
+    """Return (who asked) once a cancel of `run_id` is requested, or None once `stop` is set;
+    polls the run's row on a pooled connection of its own (the job's is busy). A poll that
+    fails is skipped: the database-side fallback still reaches a holder that cannot see its
+    row. Stopped by the event, never cancelled: a task cancelled in the middle of a query
+    makes asyncpg send a cancel request, which PgBouncer 1.18 can crash on."""
     while True:
-        await asyncio.sleep(interval)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+        if stop.is_set():
+            return None
         with contextlib.suppress(*DATABASE_ERRORS):
             async with db.connection() as conn:
                 by = await requested(conn, schema, run_id)

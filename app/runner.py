@@ -85,6 +85,8 @@ class Runner:
         # every pooled connection. Other keys of a keyed job go on to their own locks.
         self.local: dict[tuple[str, str | None], int | None] = {}
         self.background: set[asyncio.Task[Outcome]] = set()
+        # The cancel watchers of running jobs (app/cancel.py), kept until they end.
+        self.watchers: set[asyncio.Task[str | None]] = set()
         # Lock transactions at once, at most one fewer than the pool's connections: each also
         # needs a second connection for a moment (its ledger row commits outside it), and if
         # every connection held a lock transaction waiting for one, none would get it (every
@@ -366,15 +368,19 @@ class Runner:
             )
             # The holder watches its row for a cancel request (app/cancel.py): any instance
             # can write one, and it reaches a job whatever it awaits.
+            stop_watching = asyncio.Event()
             watcher = asyncio.create_task(
                 cancel.watch(
                     self.db,
                     self.settings.db_schema,
                     ctx.run_id,
                     self.settings.cancel_poll_interval,
+                    stop_watching,
                 ),
                 name=f"cancel-watch:{ctx.run_id}",
             )
+            self.watchers.add(watcher)
+            watcher.add_done_callback(self.watchers.discard)
             try:
                 done, _ = await asyncio.wait(
                     {task, watcher}, timeout=job.timeout, return_when=asyncio.FIRST_COMPLETED
@@ -384,9 +390,9 @@ class Runner:
                 await self._abort(lease, task, "cancelled", "instance shut down while running")
                 raise
             finally:
-                watcher.cancel()
-            if watcher in done and task not in done:
-                by = watcher.result()
+                stop_watching.set()  # it ends after its poll in flight, if any
+            by = watcher.result() if watcher in done and task not in done else None
+            if by is not None:
                 await self._abort(lease, task, "cancelled", f"cancelled at the request of {by}")
                 return self._outcome(lease, "cancelled", source, reason=f"cancelled by {by}")
             if not done:
