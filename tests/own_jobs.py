@@ -56,3 +56,16 @@ async def always_fails(ctx: JobContext) -> int:
 async def hourly_late(ctx: JobContext) -> int:
     """Overdue a second after each hour begins, until a run succeeds: the alerts' overdue job."""
     return 1
+
+
+ATTEMPTS_BEFORE_SQL = "SELECT count(*) FROM cronlock.runs WHERE job = $1 AND slot = $2 AND id < $3"
+
+
+@job("fragile", every=3600, retries=2, retry_delay=0.2, timeout=20)
+async def fragile(ctx: JobContext) -> int:
+    """Its first attempt at a slot takes 20 s (long enough to kill its instance); a retry
+    succeeds at once."""
+    if await ctx.conn.fetchval(ATTEMPTS_BEFORE_SQL, ctx.job.name, ctx.slot, ctx.run_id) == 0:
+        await asyncio.sleep(20)
+    await record(ctx)
+    return 1

@@ -12,6 +12,7 @@ policies). A minute would add 45 s of CI time and no new case.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
+import httpx
 
 from tests.support.cluster import Instance
 from tests.util import AUTH, post, wait_for
@@ -145,3 +147,78 @@ async def test_three_schedulers_kill_two_then_all_down_then_up(
     jobs = (await client.get(i4.url + "/cron/jobs", headers=AUTH)).json()["jobs"]
     assert next(j for j in jobs if j["name"] == "heartbeat")["paused"] is None
     assert time.monotonic() - started < 60
+
+
+async def test_retries_across_processes(
+    start_instances: Callable[..., list[Instance]], client: Any, db: asyncpg.Connection
+) -> None:
+    """A job that fails twice then succeeds (retries=3): three ledger rows for the slot, the
+    last succeeded, a trigger during an attempt "already running". An attempt whose instance
+    is killed (-9) is abandoned, and the other instance retries it for the same slot."""
+    env = {"CRON_JOBS": "tests.own_jobs", "RETRY_POLL_INTERVAL": "0.2"}
+    i1, i2 = start_instances(["i1", "i2"], env=env)
+    assert (await post(client, i1.url + "/cron/flaky")).status_code == 500
+
+    async def attempt_running() -> bool:
+        return bool(
+            await db.fetchval(
+                "SELECT count(*) FROM cronlock.runs WHERE job = 'flaky' AND status = 'running'"
+            )
+        )
+
+    await wait_for(attempt_running, 10, "a retry of flaky to start")
+    during = (await post(client, i2.url + "/cron/flaky")).json()
+    assert during.get("reason") in ("already running", "already done"), during
+
+    async def flaky_done() -> bool:
+        return bool(
+            await db.fetchval(
+                "SELECT count(*) FROM cronlock.runs WHERE job = 'flaky' AND status = 'succeeded'"
+            )
+        )
+
+    await wait_for(flaky_done, 15, "flaky to succeed")
+    rows = await db.fetch(
+        "SELECT slot, status, attempt, retry_of, id FROM cronlock.runs WHERE job = 'flaky'"
+        " ORDER BY id"
+    )
+    assert [(r["attempt"], r["status"]) for r in rows] == [
+        (1, "failed"),
+        (2, "failed"),
+        (3, "succeeded"),
+    ]
+    assert len({r["slot"] for r in rows}) == 1
+    assert [r["retry_of"] for r in rows] == [None, rows[0]["id"], rows[1]["id"]]
+
+    # fragile: its first attempt is still running on i1 when i1 is killed.
+    task = asyncio.create_task(client.post(i1.url + "/cron/fragile", headers=AUTH))
+
+    async def fragile_running() -> bool:
+        return bool(
+            await db.fetchval(
+                "SELECT count(*) FROM cronlock.runs WHERE job = 'fragile' AND status = 'running'"
+            )
+        )
+
+    await wait_for(fragile_running, 10, "fragile's first attempt")
+    i1.kill()
+    with contextlib.suppress(httpx.HTTPError):
+        await task
+
+    async def fragile_done() -> bool:
+        return bool(
+            await db.fetchval(
+                "SELECT count(*) FROM cronlock.runs WHERE job = 'fragile' AND status = 'succeeded'"
+            )
+        )
+
+    await wait_for(fragile_done, 20, "i2 to retry fragile's abandoned attempt")
+    rows = await db.fetch(
+        "SELECT status, attempt, instance, source FROM cronlock.runs WHERE job = 'fragile'"
+        " ORDER BY id"
+    )
+    assert [(r["attempt"], r["status"], r["instance"]) for r in rows] == [
+        (1, "abandoned", "i1"),
+        (2, "succeeded", "i2"),
+    ]
+    assert rows[1]["source"] == "retry"
