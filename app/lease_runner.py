@@ -318,7 +318,7 @@ class LeaseRunner:
             ):
                 await fence.finish("cancelled", "cancelled by an operator")
                 return self._outcome(h, "cancelled", reason="cancelled by an operator")
-            if isinstance(error, DatabaseUnavailable | CONNECTION_ERRORS):
+            if isinstance(error, (DatabaseUnavailable, *CONNECTION_ERRORS)):
                 # The database (or the pooler) went away under a step: whether that step's
                 # commit landed is unknown, and only the database knows the checkpoint. Hand
                 # the run over rather than fail it: whoever takes it over next (this instance's
