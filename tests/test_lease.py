@@ -44,7 +44,7 @@ async def view(client: httpx.AsyncClient, app: Any, run_id: int) -> dict[str, An
 
 async def settled(client: httpx.AsyncClient, app: Any, run_id: int, within: float = 20) -> Any:
     async def done() -> bool:
-        return (await view(client, app, run_id))["status"] != "running"
+        return bool((await view(client, app, run_id))["status"] != "running")
 
     await wait_for(done, within, f"run {run_id} to end")
     return await view(client, app, run_id)
@@ -71,12 +71,16 @@ async def test_a_lease_run_answers_202_and_works_in_fenced_steps(
     assert r.status_code == 202, r.text
     body = r.json()
     assert set(body) == {"job", "run_id", "slot", "lease_expires_at"}
-    assert body["job"] == "lease-items" and body["slot"] is None
+    assert body["job"] == "lease-items"
+    assert body["slot"] is None
     run_id = body["run_id"]
 
     running = await view(client, a, run_id)
-    assert running["status"] == "running" and running["running"] is True
-    assert running["holder"] == "a" and running["attempt"] == 1 and running["token"] >= 1
+    assert running["status"] == "running"
+    assert running["running"] is True
+    assert running["holder"] == "a"
+    assert running["attempt"] == 1
+    assert running["token"] >= 1
     locks = (await client.get(f"{a.url}/cron/locks", headers=AUTH)).json()["locks"]
     held = [lk for lk in locks if lk["kind"] == "lease"]
     assert [(lk["job"], lk["run_id"], lk["instance"]) for lk in held] == [
@@ -84,13 +88,17 @@ async def test_a_lease_run_answers_202_and_works_in_fenced_steps(
     ]
     jobs = (await client.get(f"{a.url}/cron/jobs", headers=AUTH)).json()["jobs"]
     mine = next(j for j in jobs if j["name"] == "lease-items")
-    assert mine["running"] is True and mine["running_on"]["run_id"] == run_id
+    assert mine["running"] is True
+    assert mine["running_on"]["run_id"] == run_id
 
     done = await settled(client, a, run_id)
-    assert done["status"] == "succeeded" and done["result"] == 60
+    assert done["status"] == "succeeded"
+    assert done["result"] == 60
     assert done["checkpoint"] == {"last": 60}
     assert done["progress"] == {"done": 60, "total": 60}
-    assert done["steps"] == 12 and done["running"] is False and done["holder"] is None
+    assert done["steps"] == 12
+    assert done["running"] is False
+    assert done["holder"] is None
     assert await items(effects_table, "lease-items") == 60
     assert await duplicates(effects_table, "lease-items") == []
 
@@ -136,6 +144,7 @@ async def test_a_stale_token_commits_nothing_and_says_why(
     row = await effects_table.fetchrow(
         "SELECT lease_token FROM cronlock.runs WHERE id = $1", run_id
     )
+    assert row is not None
     settings = make_settings(cron_jobs="tests.lease_jobs", **LEASE_SETTINGS)
     registry = load(settings.job_modules)
     from app.db import Database
@@ -187,13 +196,15 @@ async def test_a_failed_attempt_is_resumed_by_the_next_trigger_for_its_slot(
     r = await client.post(url, headers=AUTH, json=params)
     assert r.status_code == 202, r.text
     failed = await settled(client, a, r.json()["run_id"])
-    assert failed["status"] == "failed" and "failing on purpose at item 15" in failed["error"]
+    assert failed["status"] == "failed"
+    assert "failing on purpose at item 15" in failed["error"]
     assert failed["checkpoint"] == {"last": 15}
 
     again = await client.post(url, headers=AUTH, json=params)
     assert again.status_code == 202, again.text
     second = await settled(client, a, again.json()["run_id"])
-    assert second["status"] == "succeeded" and second["result"] == 30
+    assert second["status"] == "succeeded"
+    assert second["result"] == 30
     assert (second["attempt"], second["retry_of"]) == (2, failed["id"])
     assert await items(effects_table, "lease-slot") == 30
     assert await duplicates(effects_table, "lease-slot") == []
@@ -220,8 +231,11 @@ async def test_cancel_reaches_a_lease_run_through_its_holder(
         done = await ops.cancel(conn, registry, settings, "lease-items", terminate=False, wait=5.0)
     finally:
         await conn.close()
-    assert done is not None and done.holder.kind == "lease" and done.released
-    assert done.run is not None and done.run.status == "cancelled"
+    assert done is not None
+    assert done.holder.kind == "lease"
+    assert done.released
+    assert done.run is not None
+    assert done.run.status == "cancelled"
     assert (await view(client, a, run_id))["cancel_requested_at"] is not None
     written = await items(effects_table, "lease-items")
     await asyncio.sleep(0.5)
@@ -236,7 +250,8 @@ async def test_the_timeout_bounds_the_whole_run(
         f"{a.url}/cron/lease-short", headers=AUTH, json={"n": 10_000, "batch": 1, "pause": 0.1}
     )
     done = await settled(client, a, r.json()["run_id"], within=10)
-    assert done["status"] == "timed_out" and "timeout of 3" in done["error"]
+    assert done["status"] == "timed_out"
+    assert "timeout of 3" in done["error"]
     assert 2900 < done["duration_ms"] < 5000
 
 
@@ -289,7 +304,7 @@ def test_a_lease_too_short_for_the_timeouts_refuses_to_start(
 ) -> None:
     from app.main import create_app
 
-    with pytest.raises(JobDefinitionError, match="lease=2.0 s is too short for DB_QUERY_TIMEOUT"):
+    with pytest.raises(JobDefinitionError, match=r"lease=2\.0 s is too short for DB_QUERY_TIMEOUT"):
         create_app(make_settings(cron_jobs="tests.lease_jobs"))
 
 

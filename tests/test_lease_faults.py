@@ -11,6 +11,7 @@ each item exactly once and the run succeeded.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import shutil
 import signal
@@ -120,16 +121,18 @@ async def check_exactly_once(db: asyncpg.Connection, n: int) -> list[asyncpg.Rec
         "SELECT count(*) AS rows, count(DISTINCT item) AS items, min(item) AS lo, "
         "max(item) AS hi FROM lease_effects"
     )
+    assert counts is not None
     assert dict(counts) == {"rows": n, "items": n, "lo": 1, "hi": n}, dict(counts)
     attempts = await db.fetch(
         "SELECT id, status, attempt, retry_of, instance, lease_token, result, error "
         "FROM cronlock.runs WHERE job = 'lease-items' ORDER BY id"
     )
     assert [a["status"] for a in attempts].count("succeeded") == 1, attempts
-    assert attempts[-1]["status"] == "succeeded" and attempts[-1]["result"] == str(n)
+    assert attempts[-1]["status"] == "succeeded"
+    assert attempts[-1]["result"] == str(n)
     assert all(a["status"] != "running" for a in attempts)
     # One chain: each attempt continues the one before, with a greater token.
-    for before, after in zip(attempts, attempts[1:], strict=False):
+    for before, after in itertools.pairwise(attempts):
         assert after["retry_of"] == before["id"], attempts
         assert after["attempt"] == before["attempt"] + 1
         assert after["lease_token"] > before["lease_token"]
@@ -189,6 +192,7 @@ async def test_a_frozen_holder_wakes_up_and_commits_nothing(
         successor = await db.fetchrow(
             "SELECT id, instance, started_at FROM cronlock.runs WHERE retry_of = $1", first
         )
+        assert successor is not None
         assert successor["instance"] != stale.name
         await asyncio.sleep(0.5)  # the new holder commits a few steps meanwhile
     finally:
@@ -283,6 +287,7 @@ async def test_no_transaction_outlives_a_step(
         assert time.monotonic() - started < 60
         await asyncio.sleep(0.02)
     run_seconds = time.monotonic() - started
-    assert samples > 50 and run_seconds > 3
+    assert samples > 50
+    assert run_seconds > 3
     assert longest < 0.5, f"a transaction lasted {longest:.3f} s during a {run_seconds:.1f} s run"
     await check_exactly_once(db, 300)
