@@ -312,3 +312,31 @@ def test_the_chunked_digest_is_a_lease_job() -> None:
     registry = load(["app.demo.chunked"])
     assert registry["chunked-digest"].lease == 30
     assert json.dumps(registry["chunked-digest"].schedule.expr) == '"0 7 * * *"'  # type: ignore[union-attr]
+
+
+async def test_the_cli_runs_a_lease_job_to_its_end(
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    effects_table: asyncpg.Connection,
+) -> None:
+    from app import cli
+    from tests.lease_jobs import LEASE_ENV
+
+    for name, value in {
+        "DATABASE_URL": database_url,
+        "CRON_JOBS": "tests.lease_jobs",
+        "INSTANCE_NAME": "cli",
+        **LEASE_ENV,
+    }.items():
+        monkeypatch.setenv(name, value)
+    code = await asyncio.to_thread(
+        cli.main, ["run", "lease-items", "--params", '{"n": 12, "batch": 4, "pause": 0}', "--json"]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert (out["processed"], out["job"]) == (12, "lease-items")
+    assert await items(effects_table, "lease-items") == 12
+    row = await effects_table.fetchrow("SELECT status, source, steps FROM cronlock.runs")
+    assert row is not None
+    assert tuple(row) == ("succeeded", "cli", 3)
