@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from app import lease
 from app.db import deadline
@@ -46,6 +46,18 @@ if TYPE_CHECKING:
     from app.runner import Runner
 
 log = logging.getLogger("cronlock.lease")
+
+
+@dataclass(frozen=True)
+class TakenOver:
+    """The attempt a takeover wrote, and what it continues of the run it took over."""
+
+    begun: lease.Begun
+    old_id: int
+    slot: datetime | None
+    trigger: Trigger
+    source: str
+    params: Any
 
 
 @dataclass
@@ -114,9 +126,11 @@ class LeaseRunner:
                         return None if takeover_only else self._skip(job, trigger, source, key)
                     if found is not None:
                         taken = await self._take_over(conn, job, key, found)
-                        if taken is None:  # a step of the old holder has the row right now
+                        if taken == "busy":  # a step of the old holder has the row right now
                             return None if takeover_only else self._skip(job, trigger, source, key)
-                        begun, took_over, slot, trigger, source, params = taken
+                        if isinstance(taken, TakenOver):
+                            begun, took_over, slot = taken.begun, taken.old_id, taken.slot
+                            trigger, source, params = taken.trigger, taken.source, taken.params
                     if begun is None:
                         if takeover_only:
                             return None
@@ -189,20 +203,20 @@ class LeaseRunner:
 
     async def _take_over(
         self, conn: Any, job: Job, key: str | None, found: lease.Current
-    ) -> tuple[lease.Begun | None, int, datetime | None, Trigger, str, Any] | None:
+    ) -> TakenOver | Literal["busy", "timed_out"]:
         """Close the expired attempt and write its successor (same slot, params, checkpoint
-        and deadline, a new token); None when a step of the old holder has the row. A run past
-        its deadline is closed as timed out instead, and the caller goes on as if none was
-        found (begun None)."""
+        and deadline, a new token); "busy" when a step of the old holder has the row (or it
+        was renewed meanwhile). A run past its deadline is closed as timed out instead, and
+        the caller goes on as if there had been none."""
         schema = self.settings.db_schema
         locked = await lease.lock(conn, schema, found.id)
         if locked is None:
-            return None
+            return "busy"
         old = locked
         trigger: Trigger = old["trigger"]
         if locked["status"] != "running" or locked["live"]:
             # Renewed or finished between the first look and the row lock: nothing to take.
-            return None
+            return "busy"
         if locked["past_deadline"]:
             await lease.close(
                 conn,
@@ -211,7 +225,7 @@ class LeaseRunner:
                 "timed_out",
                 f"exceeded its timeout of {job.timeout} s (its lease had expired too)",
             )
-            return (None, found.id, None, trigger, old["source"], None)
+            return "timed_out"
         params = job.params.model_validate(old["params"]) if job.params is not None else None
         begun = await lease.begin(
             conn,
@@ -236,7 +250,7 @@ class LeaseRunner:
             f"its lease expired at {found.expires_at.isoformat()}; taken over by run "
             f"{begun.run_id} on {self.settings.instance_name}",
         )
-        return (begun, found.id, old["slot"], trigger, old["source"], params)
+        return TakenOver(begun, found.id, old["slot"], trigger, old["source"], params)
 
     def _skip(self, job: Job, trigger: Trigger, source: str, key: str | None) -> Outcome:
         return self.runner.skip(job, "already running", None, trigger, source, key)

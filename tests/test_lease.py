@@ -294,6 +294,26 @@ async def test_keys_of_a_lease_job_run_at_once_one_run_per_key(
     ]
 
 
+async def test_the_probe_reads_a_live_lease(
+    start_app: Starter, client: httpx.AsyncClient, effects_table: asyncpg.Connection
+) -> None:
+    """The trigger path's first look answers "already running" from the lease alone (no
+    advisory lock is held between steps), for lease jobs only."""
+    from app.lock import job_lock, lock_key, probe
+
+    a = await start(start_app)
+    r = await client.post(
+        f"{a.url}/cron/lease-items", headers=AUTH, json={"n": 40, "batch": 2, "pause": 0.05}
+    )
+    key = lock_key(job_lock("cronlock", "lease-items"), 0)
+    as_lease = await probe(effects_table, "cronlock", "lease-items", key, lease=True)
+    as_plain = await probe(effects_table, "cronlock", "lease-items", key)
+    assert (as_lease["running"], as_plain["running"]) == (True, False)
+    await settled(client, a, r.json()["run_id"])
+    after = await probe(effects_table, "cronlock", "lease-items", key, lease=True)
+    assert after["running"] is False
+
+
 def test_a_lease_is_declared_within_its_timeout() -> None:
     with pytest.raises(JobDefinitionError, match="at most the timeout"):
         job("lease-too-long", lease=120, timeout=60)

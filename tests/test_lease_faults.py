@@ -212,6 +212,12 @@ async def test_a_frozen_holder_wakes_up_and_commits_nothing(
     await wait_for(said_so, 10, "the stale holder to log its lost lease")
     error = await db.fetchval("SELECT error FROM cronlock.runs WHERE id = $1", first)
     assert f"taken over by run {successor['id']}" in error
+    # And counted it; the instance that took over counted its takeover.
+    lost = (await client.get(f"{stale.url}/metrics", headers=AUTH)).text
+    assert 'cronlock_leases_lost_total{job="lease-items"} 1.0' in lost
+    taker = next(i for i in cluster.instances if i.name == successor["instance"])
+    took = (await client.get(f"{taker.url}/metrics", headers=AUTH)).text
+    assert 'cronlock_lease_takeovers_total{job="lease-items"} 1.0' in took
 
 
 async def test_sigterm_hands_the_run_over_at_once(
