@@ -176,6 +176,8 @@ class JobView(BaseModel):
     early_tolerance: float
     max_lateness: float | None
     catch_up: bool
+    # A lease job's lease in seconds (it runs in fenced steps, docs/long-jobs.md), else None.
+    lease: float | None
     # The params field a keyed job locks on, else None. A keyed job's runs lock per key (see
     # `running_keys`); `lock_key` is then the key-less text's, which no run takes.
     key_field: str | None
@@ -342,6 +344,7 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
                 early_tolerance=job.early_tolerance,
                 max_lateness=job.max_lateness,
                 catch_up=job.catch_up,
+                lease=job.lease,
                 key_field=job.key,
                 lock_key=str(registry.key(job.name)),
                 current_slot=current,
