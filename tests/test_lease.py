@@ -186,6 +186,58 @@ async def test_a_stale_token_commits_nothing_and_says_why(
     assert await items(effects_table, "lease-items") == 30
 
 
+async def test_a_trigger_takes_an_expired_run_over_and_the_old_holder_is_fenced_off(
+    start_app: Starter, client: httpx.AsyncClient, effects_table: asyncpg.Connection
+) -> None:
+    """No watcher (its poll is longer than the test): the next trigger takes over. The old
+    holder is alive and unaware (as one paused long enough would be), so nothing but the
+    fence stops it: its next step finds the run no longer its own and commits nothing."""
+    a = await start(start_app, "a", lease_poll_interval=600)
+    b = await start(start_app, "b", lease_poll_interval=600)
+    r = await client.post(
+        f"{a.url}/cron/lease-items", headers=AUTH, json={"n": 40, "batch": 2, "pause": 0.3}
+    )
+    first = r.json()["run_id"]
+
+    async def some_done() -> bool:
+        return await items(effects_table, "lease-items") >= 4
+
+    await wait_for(some_done, 10, "a few steps")
+    # The lease runs out under the holder's feet (a pause it did not see).
+    await effects_table.execute(
+        "UPDATE cronlock.runs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
+        first,
+    )
+    # "already running" while the old holder has the row for a moment (NOWAIT): try again.
+    for _ in range(20):
+        taken = await client.post(f"{b.url}/cron/lease-items", headers=AUTH, json={"n": 1})
+        if taken.status_code == 202:
+            break
+        assert taken.json()["reason"] == "already running", taken.text
+        await asyncio.sleep(0.05)
+    assert taken.status_code == 202, taken.text
+    second = taken.json()["run_id"]
+    assert second != first
+    done = await settled(client, b, second)
+    # The takeover kept the run's own params (n=40), not the trigger's.
+    assert (done["status"], done["result"], done["attempt"], done["retry_of"]) == (
+        "succeeded",
+        40,
+        2,
+        first,
+    )
+    old = await view(client, a, first)
+    assert old["status"] == "abandoned"
+    assert f"taken over by run {second}" in old["error"]
+
+    async def noticed() -> bool:
+        return "stopped: lease lost" in ((await view(client, a, first))["error"] or "")
+
+    await wait_for(noticed, 5, "the old holder to notice")
+    assert await items(effects_table, "lease-items") == 40
+    assert await duplicates(effects_table, "lease-items") == []
+
+
 async def test_a_failed_attempt_is_resumed_by_the_next_trigger_for_its_slot(
     start_app: Starter, client: httpx.AsyncClient, effects_table: asyncpg.Connection
 ) -> None:

@@ -545,8 +545,7 @@ async def test_migrate_sql_is_what_migrate_would_do(
     assert code == 0, err
     # Every migration this release ships, in order (the list grows with each release).
     shipped = [
-        f"would apply: cronlock {m.version:04d}_{m.name}"
-        for m in cronlock_migrations().migrations
+        f"would apply: cronlock {m.version:04d}_{m.name}" for m in cronlock_migrations().migrations
     ]
     assert shipped[:3] == [
         "would apply: cronlock 0001_ledger",
