@@ -106,6 +106,20 @@ async def holder(db: asyncpg.Connection, cluster: Cluster) -> Instance | None:
     return next((i for i in cluster.instances if i.name == name), None)
 
 
+async def counter(client: httpx.AsyncClient, instance: Instance, series: str) -> float:
+    """A series' value on one instance's /metrics (0 when absent): the module's instances
+    live across tests, so a test compares before and after."""
+    text = (await client.get(f"{instance.url}/metrics", headers=AUTH)).text
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+LOST = 'cronlock_leases_lost_total{job="lease-items"}'
+TAKEN = 'cronlock_lease_takeovers_total{job="lease-items"}'
+
+
 async def done(db: asyncpg.Connection) -> bool:
     return bool(
         await db.fetchval(
@@ -177,6 +191,10 @@ async def test_a_frozen_holder_wakes_up_and_commits_nothing(
     await asyncio.sleep(0.5)
     stale = await holder(db, cluster)
     assert stale is not None
+    before = {
+        i.name: (await counter(client, i, LOST), await counter(client, i, TAKEN))
+        for i in cluster.instances
+    }
     stale.freeze()
     frozen_at = await db.fetchval("SELECT clock_timestamp()")
     try:
@@ -213,11 +231,9 @@ async def test_a_frozen_holder_wakes_up_and_commits_nothing(
     error = await db.fetchval("SELECT error FROM cronlock.runs WHERE id = $1", first)
     assert f"taken over by run {successor['id']}" in error
     # And counted it; the instance that took over counted its takeover.
-    lost = (await client.get(f"{stale.url}/metrics", headers=AUTH)).text
-    assert 'cronlock_leases_lost_total{job="lease-items"} 1.0' in lost
+    assert await counter(client, stale, LOST) == before[stale.name][0] + 1
     taker = next(i for i in cluster.instances if i.name == successor["instance"])
-    took = (await client.get(f"{taker.url}/metrics", headers=AUTH)).text
-    assert 'cronlock_lease_takeovers_total{job="lease-items"} 1.0' in took
+    assert await counter(client, taker, TAKEN) == before[taker.name][1] + 1
 
 
 async def test_sigterm_hands_the_run_over_at_once(
