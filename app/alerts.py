@@ -22,7 +22,8 @@ replay window accepts a late retry.
 
 Events: `failed`, `timed_out` (a run ended so), `recovered` (a success after one of those),
 `overdue` (once per job and slot), `paused_too_long` (once per pause), `lease_lost` (a lease
-run's row ended `lease_lost`, app/lease.py). Pings: start, success and failure of every run.
+attempt closed `abandoned` by its takeover, app/lease.py). Pings: start, success and failure
+of every run.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("cronlock.alerts")
 
 FAILURES = ("failed", "timed_out")
-PING_FAILURES = ("failed", "timed_out", "abandoned", "cancelled", "lease_lost")
+PING_FAILURES = ("failed", "timed_out", "abandoned", "cancelled")
 # The scanner looks back this far behind its last look: a run that finished in the same
 # instant as the previous look is seen again (and deduplicated), never missed.
 OVERLAP = timedelta(seconds=10)
@@ -201,11 +202,11 @@ async def raise_events(
         event = None
         if run.status in FAILURES:
             event = run.status
-        elif run.status == "lease_lost":
-            event = "lease_lost"
+        elif run.status == "abandoned" and run.lease_token is not None:
+            event = "lease_lost"  # a lease attempt closed by its takeover (app/lease.py)
         elif run.status == "succeeded":
             before = await ledger.previous_status(conn, schema, run)
-            if before in (*FAILURES, "abandoned", "lease_lost"):
+            if before in (*FAILURES, "abandoned"):
                 event = "recovered"
         if event is not None:
             await _queue(

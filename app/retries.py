@@ -73,7 +73,14 @@ async def pending(
     conn: Conn, registry: Registry, now: datetime, window: float
 ) -> dict[str, list[Verdict]]:
     """Per job with retries, its failed slots that will be retried (due or waiting)."""
-    jobs = {name: j for name, j in registry.items() if j.retries > 0 and j.schedule is not None}
+    # Lease jobs are left out until their runner takes `retry_of` (Runner.trigger hands them
+    # to `leases.start`, which does not yet): their takeover already resumes an abandoned
+    # attempt, and a retry here would start a second one.
+    jobs = {
+        name: j
+        for name, j in registry.items()
+        if j.retries > 0 and j.schedule is not None and j.lease is None
+    }
     if not jobs:
         return {}
     since = now - timedelta(seconds=window)

@@ -11,12 +11,13 @@ CREATE TABLE {schema}.pauses (
     CHECK (until IS NULL OR until > paused_at)
 );
 
--- The probe (0005) that also says whether the job is paused, so that a paused job's skip stays
--- one round trip. A new signature rather than a replacement, as 0005 did: instances of the
--- previous release keep calling the six-argument form during a rolling deploy. A paused job
--- answers at once: neither the ledger nor pg_locks is read.
+-- The probe (0008) that also says whether the job is paused, so that a paused job's skip stays
+-- one round trip. A new signature rather than a replacement, as 0005 and 0008 did: instances
+-- of the previous release keep calling the seven-argument form during a rolling deploy. A
+-- paused job answers at once: neither the ledger, pg_locks nor the leases are read.
 CREATE FUNCTION {schema}.probe(job_name text, run_key text, lock_classid oid, lock_objid oid,
-                               with_ledger boolean, done_hint timestamptz, with_pause boolean)
+                               with_ledger boolean, done_hint timestamptz, with_lease boolean,
+                               with_pause boolean)
 RETURNS TABLE (db_now timestamptz, standby boolean, done_slot timestamptz, running boolean,
                paused boolean)
 LANGUAGE plpgsql STABLE
@@ -44,6 +45,14 @@ BEGIN
               AND l.classid = lock_classid AND l.objid = lock_objid
               AND l.database = (SELECT d.oid FROM pg_database AS d
                                 WHERE d.datname = current_database()));
+        -- A live lease (index runs_lease_running, migration 0007).
+        IF with_lease AND NOT running THEN
+            running := EXISTS (
+                SELECT 1 FROM {schema}.runs AS r
+                WHERE r.job = job_name AND coalesce(r.key, '') = coalesce(run_key, '')
+                  AND r.status = 'running' AND r.lease_token IS NOT NULL
+                  AND r.lease_expires_at > now());
+        END IF;
     END IF;
     RETURN NEXT;
 END
