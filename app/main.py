@@ -13,7 +13,7 @@ from typing import TypedDict
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from app import __version__, api, catchup, logs, sender
+from app import __version__, api, catchup, logs, sender, ui
 from app.auth import BearerAuth
 from app.db import Database
 from app.errors import JobDefinitionError
@@ -93,12 +93,15 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
         lifespan=lifespan,
     )
     api.install(app, registry, settings)
+    if settings.ui_enabled:
+        ui.install(app, registry, settings)  # its session check sits inside BearerAuth
     tokens = settings.secrets()
     app.add_middleware(
         BearerAuth,
         run_tokens=tokens,
         read_tokens=_token(settings.cron_read_token),
         metrics_tokens=_token(settings.metrics_token),
+        sessions=settings.ui_enabled,
     )
     return app
 
