@@ -1,35 +1,457 @@
-"""The dashboard in-process (httpx against the ASGI app): sessions, safety, pages, actions."""
+"""The dashboard in-process (httpx against the ASGI app): sessions and their safety, the
+pages, the actions. The browser's view of it is tests/test_ui_browser.py."""
 
 from __future__ import annotations
 
-import re
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
+import asyncpg
 import httpx
+import pytest
 
-from tests.support import TEST_SECRET
-from tests.support.asgi import StartApp
+from app.jobs import Job
+from app.ops import RunView
+from app.schedule import Schedule
+from app.ui import timeline, words
+from app.ui.session import CSP
+from tests.support import TEST_SECRET, auth_headers
+from tests.support.asgi import InProcess, StartApp
+from tests.support.ui import READ_TOKEN, User, csrf_of
+from tests.ui_jobs import HOSTILE
 
-READ_TOKEN = "cronlock-read-token-0123456789-abcdefghijklmnop"
+JOBS = "tests.jobs,tests.ui_jobs"
+PAGES = ["/ui/", "/ui/jobs/fast", "/ui/jobs/hourly", "/ui/locks", "/ui/outbox"]
+# Markup that must only ever appear escaped.
+RAW = "<script>alert("
 
 
-async def login(client: httpx.AsyncClient, url: str, token: str) -> httpx.Response:
-    page = await client.get(f"{url}/ui/login")
-    csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
-    assert csrf is not None
-    return await client.post(f"{url}/ui/login", data={"csrf": csrf.group(1), "token": token})
+async def ui_app(start_app: StartApp, name: str = "app", **settings: Any) -> InProcess:
+    settings.setdefault("cron_read_token", READ_TOKEN)
+    settings.setdefault("ui_cookie_secure", False)  # httpx sends no Secure cookie over http
+    return await start_app(name, cron_jobs=JOBS, **settings)
 
 
-async def test_smoke(start_app: StartApp, client: httpx.AsyncClient) -> None:
-    app = await start_app(cron_read_token=READ_TOKEN, ui_cookie_secure=False)
-    r = await login(client, app.url, TEST_SECRET)
-    print(r.status_code, r.headers)
-    for path in ["/ui/", "/ui/jobs/fast", "/ui/locks", "/ui/outbox"]:
-        r = await client.get(app.url + path)
-        print(path, r.status_code, r.text[:3000] if r.status_code != 200 else "")
+async def dead_email(db: asyncpg.Connection, recipient: str, error: str) -> int:
+    """A dead-lettered email, as the sender leaves one after its last attempt."""
+    email_id: int = await db.fetchval(
+        "INSERT INTO cronlock.email_outbox (job, sender, recipient, subject, body, status,"
+        " attempts, last_error) VALUES ('daily-digest', 'a@example.com', $1, 'Hi', 'body',"
+        " 'dead', 12, $2) RETURNING id",
+        recipient,
+        error,
+    )
+    return email_id
+
+
+# --- what is open, and the session check before routing ------------------------------------
+
+
+async def test_only_login_and_static_are_open(start_app: StartApp) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as anonymous:
+        http = anonymous.http
+        assert (await http.get("/ui/login")).status_code == 200
+        static = await http.get("/ui/static/ui.css")
+        assert static.status_code == 200
+        assert static.headers["content-security-policy"] == CSP
+        # Every other path, known or not, asks for a session first (404s reveal nothing).
+        for path in [*PAGES, "/ui/runs/1", "/ui/outbox/1", "/ui/no-such-page", "/ui"]:
+            r = await http.get(path)
+            assert (r.status_code, r.headers.get("location")) == (303, "/ui/login"), path
+        for path in ["/ui/jobs/fast/run", "/ui/outbox/requeue", "/ui/logout", "/ui/nope"]:
+            assert (await http.post(path)).status_code == 401, path
+
+
+async def test_pages_carry_the_security_headers(start_app: StartApp) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        for path in [*PAGES, "/ui/login"]:
+            r = await user.http.get(path)
+            assert r.status_code == 200, path
+            assert r.headers["content-security-policy"] == CSP
+            assert "unsafe-inline" not in CSP
+            assert "frame-ancestors 'none'" in CSP
+            assert r.headers["cache-control"] == "no-store"
+            assert r.headers["x-content-type-options"] == "nosniff"
+            # No inline script or style for the CSP to refuse.
+            assert "<script>" not in r.text
+            assert "style=" not in r.text
+            assert "<style" not in r.text
+
+
+async def test_the_bearer_api_is_unchanged_and_ignores_the_cookie(start_app: StartApp) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        cookie = user.http.cookies["cronlock_session"]
+        # The browser never sends it there (Path=/ui), and a forged one is worth nothing.
+        forged = {"Cookie": f"cronlock_session={cookie}"}
+        for method, path in [("POST", "/cron/fast"), ("GET", "/cron/jobs"), ("GET", "/metrics")]:
+            r = await user.http.request(method, path, headers=forged)
+            assert r.status_code == 401, path
+        r = await user.http.post("/cron/fast", headers=auth_headers())
         assert r.status_code == 200
-    r = await client.get(app.url + "/ui/")
-    csrf = re.search(r'name="csrf" value="([^"]+)"', r.text).group(1)
-    r = await client.post(app.url + "/ui/jobs/fast/run", data={"csrf": csrf})
-    print(r.status_code, r.headers.get("location"))
-    r = await client.get(app.url + r.headers["location"])
-    print(r.status_code, r.text[-2000:])
+
+
+async def test_without_the_dashboard_ui_paths_need_the_secret(start_app: StartApp) -> None:
+    app = await ui_app(start_app, ui_enabled=False)
+    async with User(app) as anonymous:
+        assert (await anonymous.http.get("/ui/login")).status_code == 401
+        assert (await anonymous.http.get("/ui/", headers=auth_headers())).status_code == 404
+
+
+# --- login, logout, rotation ---------------------------------------------------------------
+
+
+async def test_login_cookie_attributes(start_app: StartApp) -> None:
+    app = await ui_app(start_app, ui_cookie_secure=True)
+    async with User(app) as user:
+        # httpx keeps Secure cookies for https: the login form's cookie is sent by hand.
+        form = await user.http.get("/ui/login")
+        login_cookie = form.headers["set-cookie"].split(";")[0]
+        assert "Secure" in form.headers["set-cookie"]
+        r = await user.http.post(
+            "/ui/login",
+            data={"csrf": csrf_of(form.text), "token": TEST_SECRET},
+            headers={"Cookie": login_cookie},
+        )
+        assert r.status_code == 303
+        assert r.headers["location"] == "/ui/"
+        cookie = next(
+            v for v in r.headers.get_list("set-cookie") if v.startswith("cronlock_session=")
+        )
+        attributes = {a.strip() for a in cookie.split(";")[1:]}
+        assert {"Path=/ui", "HttpOnly", "SameSite=Strict", "Secure"} <= attributes
+
+
+@pytest.mark.parametrize(
+    ("token", "who"),
+    [(TEST_SECRET, "secret: can act"), (READ_TOKEN, "read token: view only")],
+)
+async def test_login_with_each_token(start_app: StartApp, token: str, who: str) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        assert (await user.login(token)).status_code == 303
+        page = await user.http.get("/ui/")
+        assert page.status_code == 200
+        assert who in page.text
+    # No secret in a page or in the log.
+    assert token not in page.text
+    assert token not in app.log()
+    assert f'"token": "{"secret" if token == TEST_SECRET else "read"}"' in app.log()
+
+
+async def test_a_wrong_token_or_no_login_csrf_is_refused(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        r = await user.login("not-the-secret-" + "x" * 30)
+        assert r.status_code == 401
+        assert "not one this service accepts" in r.text
+        assert "cronlock_session" not in r.headers.get("set-cookie", "")
+        # The login form's own CSRF token (double submit): a cross-site login is refused.
+        r = await user.http.post("/ui/login", data={"token": TEST_SECRET})
+        assert r.status_code == 403
+    assert await db.fetchval("SELECT count(*) FROM cronlock.ui_sessions") == 0
+
+
+async def test_logout_ends_the_session_on_every_instance(start_app: StartApp) -> None:
+    one = await ui_app(start_app, "one")
+    two = await ui_app(start_app, "two")
+    async with User(one) as user:
+        await user.login(TEST_SECRET)
+        cookie = {"Cookie": f"cronlock_session={user.http.cookies['cronlock_session']}"}
+        async with httpx.AsyncClient(transport=two.transport, base_url=two.url) as other:
+            assert (await other.get("/ui/", headers=cookie)).status_code == 200
+            r = await user.act("/ui/logout")
+            assert r.status_code == 303
+            assert r.headers["location"] == "/ui/login"
+            assert (await other.get("/ui/", headers=cookie)).status_code == 303
+        assert (await user.http.get("/ui/", headers=cookie)).status_code == 303
+
+
+async def test_rotating_a_token_ends_its_sessions(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    old = await ui_app(start_app, "old")
+    async with User(old) as user:
+        await user.login(TEST_SECRET)
+        cookie = {"Cookie": f"cronlock_session={user.http.cookies['cronlock_session']}"}
+    new_secret = "a-rotated-cron-secret-0123456789-abcdefghijklmn"
+    # During the rotation the previous secret is still accepted: its sessions live on.
+    during = await ui_app(
+        start_app, "during", cron_secret=new_secret, cron_secret_previous=TEST_SECRET
+    )
+    async with httpx.AsyncClient(transport=during.transport, base_url=during.url) as http:
+        assert (await http.get("/ui/", headers=cookie)).status_code == 200
+    after = await ui_app(start_app, "after", cron_secret=new_secret)
+    async with httpx.AsyncClient(transport=after.transport, base_url=after.url) as http:
+        assert (await http.get("/ui/", headers=cookie)).status_code == 303
+    assert await db.fetchval("SELECT count(*) FROM cronlock.ui_sessions") == 0
+
+
+# --- acting: CSRF, the read token, what is recorded ----------------------------------------
+
+
+async def test_a_form_without_its_csrf_token_is_refused(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        for data in [{}, {"csrf": "forged"}]:
+            r = await user.http.post("/ui/jobs/fast/run", data=data)
+            assert r.status_code == 403
+            assert "CSRF" in r.text
+            r = await user.http.post("/ui/logout", data=data)
+            assert r.status_code == 403
+    assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 0
+
+
+async def test_the_read_token_sees_but_cannot_act(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    app = await ui_app(start_app)
+    email_id = await dead_email(db, "alice@example.com", "550 no mailbox alice@example.com")
+    async with User(app) as reader:
+        await reader.login(READ_TOKEN)
+        jobs = await reader.http.get("/ui/")
+        assert "Run now" not in jobs.text
+        assert '/run"' not in jobs.text
+        outbox = await reader.http.get("/ui/outbox")
+        assert "Requeue" not in outbox.text
+        # Masked: personal data, in the recipient column and inside the provider's error.
+        assert "alice@example.com" not in outbox.text
+        assert "a•••@example.com" in outbox.text
+        email = await reader.http.get(f"/ui/outbox/{email_id}")
+        assert "alice@example.com" not in email.text
+        assert "a•••@example.com" in email.text
+        for path, fields in [("/ui/jobs/fast/run", {}), ("/ui/outbox/requeue", {"id": "all"})]:
+            r = await reader.act(path, **fields)
+            assert r.status_code == 403
+            assert "read token" in r.text
+    assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 0
+    assert await db.fetchval("SELECT status FROM cronlock.email_outbox") == "dead"
+    async with User(app) as admin:
+        await admin.login(TEST_SECRET)
+        assert "alice@example.com" in (await admin.http.get("/ui/outbox")).text
+
+
+async def test_run_now_is_recorded_with_source_ui(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        r = await user.act("/ui/jobs/note/run", params='{"text": "hello"}')
+        assert r.status_code == 303
+        assert r.headers["location"].startswith("/ui/runs/")
+        run = await db.fetchrow("SELECT * FROM cronlock.runs")
+        assert run is not None
+        assert (run["source"], run["trigger"]) == ("ui", "manual")
+        page = await user.http.get(r.headers["location"])
+        assert "<dd>ui</dd>" in page.text
+        bad = await user.act("/ui/jobs/note/run", params="{not json")
+        assert bad.status_code == 422
+        assert "Invalid params" in bad.text
+    action = await db.fetchrow("SELECT kind, action, target, detail FROM cronlock.ui_actions")
+    assert action is not None
+    assert (action["kind"], action["action"], action["target"]) == ("secret", "run", "note")
+    assert json.loads(action["detail"])["run_id"] == run["id"]
+    assert '"action": "run"' in app.log()
+    assert '"token": "secret"' in app.log()
+
+
+async def test_requeue_one_and_all(start_app: StartApp, db: asyncpg.Connection) -> None:
+    app = await ui_app(start_app)
+    first = await dead_email(db, "a@example.com", "422 refused")
+    await dead_email(db, "b@example.com", "422 refused")
+    await dead_email(db, "c@example.com", "422 refused")
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        r = await user.act("/ui/outbox/requeue", id=str(first))
+        assert r.headers["location"] == "/ui/outbox?notice=requeued"
+        status = "SELECT status FROM cronlock.email_outbox WHERE id = $1"
+        assert await db.fetchval(status, first) == "pending"
+        assert (
+            await db.fetchval("SELECT count(*) FROM cronlock.email_outbox WHERE status = 'dead'")
+            == 2
+        )
+        await user.act("/ui/outbox/requeue", id="all")
+        assert (
+            await db.fetchval("SELECT count(*) FROM cronlock.email_outbox WHERE status = 'dead'")
+            == 0
+        )
+        r = await user.act("/ui/outbox/requeue", id="all")
+        assert r.headers["location"] == "/ui/outbox?notice=nothing-dead"
+        assert (await user.act("/ui/outbox/requeue", id="x")).status_code == 422
+    actions = await db.fetch("SELECT target, detail FROM cronlock.ui_actions ORDER BY id")
+    assert [a["target"] for a in actions] == [str(first), "all", "all"]
+    assert len(json.loads(actions[1]["detail"])["ids"]) == 2
+
+
+async def test_cancel_when_not_running(start_app: StartApp) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        r = await user.act("/ui/jobs/fast/cancel")
+        assert r.headers["location"] == "/ui/jobs/fast?notice=not-running"
+
+
+async def test_pause_renders_nothing_while_the_feature_is_absent(start_app: StartApp) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        page = await user.http.get("/ui/jobs/fast")
+        assert "Pause" not in page.text
+        assert "failing, retry" not in page.text
+        r = await user.act("/ui/jobs/fast/pause", note="x")
+        assert r.status_code == 404
+
+
+# --- escaping ------------------------------------------------------------------------------
+
+
+async def test_everything_rendered_is_escaped(
+    start_app: StartApp, db: asyncpg.Connection, client: httpx.AsyncClient
+) -> None:
+    app = await ui_app(start_app)
+    email_id = await dead_email(db, f"{HOSTILE}@example.com", f"provider said {HOSTILE}")
+    # A job's error, and params, with markup: triggered over the API as a scheduler would.
+    r = await client.post(
+        f"{app.url}/cron/hostile-error", headers=auth_headers(), json={"text": HOSTILE}
+    )
+    assert r.status_code == 500
+    run_id = r.json()["run_id"]
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        for path in [
+            *PAGES,
+            "/ui/jobs/hostile-error",
+            f"/ui/runs/{run_id}",
+            f"/ui/outbox/{email_id}",
+        ]:
+            page = await user.http.get(path)
+            assert page.status_code == 200, path
+            assert RAW not in page.text, path
+        run = (await user.http.get(f"/ui/runs/{run_id}")).text
+        assert "&lt;script&gt;alert(" in run  # the error and the params, shown escaped
+        outbox = (await user.http.get("/ui/outbox")).text
+        assert outbox.count("&lt;script&gt;alert(") >= 2  # recipient and provider error
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [
+        ("/ui/jobs/no-such-job", 404),
+        ("/ui/runs/999999", 404),
+        ("/ui/runs/abc", 422),
+        ("/ui/runs/99999999999999999999999", 422),
+        ("/ui/outbox/999999", 404),
+        ("/ui/jobs/fast?status=bogus", 422),
+        ("/ui/jobs/fast?days=3", 422),
+        ("/ui/jobs/fast?before=-1", 422),
+    ],
+)
+async def test_bad_input_is_a_page_not_a_trace(start_app: StartApp, path: str, status: int) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        r = await user.http.get(path)
+        assert r.status_code == status
+        assert r.headers["content-type"].startswith("text/html")
+        assert "Traceback" not in r.text
+
+
+async def test_the_job_page_filters_its_runs(
+    start_app: StartApp, client: httpx.AsyncClient
+) -> None:
+    app = await ui_app(start_app)
+    for path in ["/cron/fast", "/cron/fast?force=true", "/cron/fails"]:
+        await client.post(app.url + path, headers=auth_headers())
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        every = (await user.http.get("/ui/jobs/fast")).text
+        assert every.count('data-run="') == 2
+        only = (await user.http.get("/ui/jobs/fast?status=failed")).text
+        assert only.count('data-run="') == 0
+        assert "No runs." in only
+        assert "<svg" in every
+        assert 'class="mark status-succeeded"' in every
+
+
+# --- the parts without HTTP ------------------------------------------------------------------
+
+
+def _run(
+    run_id: int, started: datetime, slot: datetime | None, status: str = "succeeded"
+) -> RunView:
+    return RunView(
+        id=run_id,
+        job="hourly",
+        key=None,
+        slot=slot,
+        status=status,
+        trigger="scheduled",
+        source="http",
+        instance="i1",
+        started_at=started,
+        finished_at=started + timedelta(seconds=2),
+        duration_ms=2000.0,
+        params=None,
+        result=1,
+        error=None,
+        running=False,
+    )
+
+
+def test_timeline_marks_runs_and_missed_slots() -> None:
+    job = Job(name="hourly", func=lambda ctx: None, schedule=Schedule.parse("0 * * * *"))  # type: ignore[arg-type, return-value]
+    now = datetime(2026, 12, 3, 12, 30, tzinfo=UTC)
+    slots = [now.replace(minute=0) - timedelta(hours=h) for h in range(24)]
+    # Every hour ran but three; one of those failed (a run, not a gap).
+    runs = [_run(i, s, s) for i, s in enumerate(slots) if i not in (3, 4, 5)]
+    runs.append(_run(99, slots[5], slots[5], "failed"))
+    line = timeline.build(job, runs, now, days=1)
+    assert len(line.marks) == 22
+    assert sum(1 for m in line.marks if m.status == "failed") == 1
+    assert line.missed == 2
+    assert len(line.slots) == 24
+    missed = [t for t in line.slots if t.missed]
+    assert all(0 <= t.x <= timeline.WIDTH for t in line.slots)
+    assert {t.title for t in missed} == {
+        f"slot {slots[h].strftime('%Y-%m-%d %H:%M')}: missed" for h in (3, 4)
+    }
+    every_minute = Job(name="m", func=lambda ctx: None, schedule=Schedule.parse("* * * * *"))  # type: ignore[arg-type, return-value]
+    assert not timeline.build(every_minute, [], now, days=1).slots_drawn
+
+
+@pytest.mark.parametrize(
+    ("expr", "said"),
+    [
+        ("* * * * *", "every minute"),
+        ("*/5 * * * *", "every 5 minutes"),
+        ("15 * * * *", "every hour at minute 15"),
+        ("0 7 * * *", "every day at 07:00"),
+        ("0 7 * * 1-5", "at 07:00, Monday to Friday"),
+        ("30 6 1 * *", "at 06:30 on day 1 of every month"),
+        ("0 0 1 1 *", "cron 0 0 1 1 *"),
+        (None, "no schedule (triggered on demand)"),
+    ],
+)
+def test_schedules_in_words(expr: str | None, said: str) -> None:
+    assert words.schedule(expr) == said
+
+
+def test_masking() -> None:
+    assert words.mask("alice@example.com") == "a•••@example.com"
+    assert words.mask("550 <bob.smith@mail.example.org> unknown") == (
+        "550 <b•••@mail.example.org> unknown"
+    )

@@ -70,7 +70,7 @@ DELETE FROM {schema}.ui_sessions
 WHERE expires_at <= now() OR NOT (token_fingerprint = ANY($1::bytea[]))
 """
 RECORD_SQL = """
-INSERT INTO {schema}.ui_actions (kind, action, target, detail) VALUES ($1, $2, $3, $4::jsonb)
+INSERT INTO {schema}.ui_actions (kind, action, target, detail) VALUES ($1, $2, $3, $4)
 """
 
 
@@ -167,7 +167,8 @@ async def record(
         session.kind,
         action,
         target,
-        json.dumps(detail, default=str),
+        # The pool's jsonb codec encodes; through JSON first so datetimes become text.
+        json.loads(json.dumps(detail, default=str)),
     )
     log.info(
         "ui action %s", action, extra={"action": action, "target": target, "token": session.kind}

@@ -1,0 +1,26 @@
+"""Jobs for the dashboard's tests (CRON_JOBS=tests.jobs,tests.ui_jobs): hostile text in an
+error and in params, to check that every page escapes what it shows."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from app.jobs import JobContext, job
+
+HOSTILE = "<script>alert('x')</script>"
+
+
+class Text(BaseModel):
+    text: str = Field(default="", max_length=200)
+
+
+@job("hostile-error", params=Text)
+async def hostile_error(ctx: JobContext) -> int:
+    """Fail with an error that carries markup."""
+    raise RuntimeError(f"{HOSTILE} {ctx.params.text}")
+
+
+@job("hourly", schedule="0 * * * *")
+async def hourly(ctx: JobContext) -> int:
+    """A scheduled job whose slots the timeline draws."""
+    return 1
