@@ -24,3 +24,25 @@ async def hostile_error(ctx: JobContext) -> int:
 async def hourly(ctx: JobContext) -> int:
     """A scheduled job whose slots the timeline draws."""
     return 1
+
+
+# The browser tests' jobs (beside the demo's daily digest): one quick, one that waits in the
+# database until it is cancelled.
+
+
+@job("refresh-cache")
+async def refresh_cache(ctx: JobContext) -> int:
+    """Rebuild a cache table; quick."""
+    await ctx.conn.execute("SELECT 1")
+    return 1
+
+
+class Export(BaseModel):
+    seconds: float = Field(default=0.0, ge=0, le=60)
+
+
+@job("long-export", params=Export, timeout=60)
+async def long_export(ctx: JobContext) -> int:
+    """Export a large table: one long statement."""
+    await ctx.conn.execute("SELECT pg_sleep($1)", ctx.params.seconds)
+    return 1

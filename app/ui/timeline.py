@@ -75,14 +75,15 @@ def build(job: Job, runs: list[RunView], now: datetime, days: float) -> Timeline
     for r in shown:
         took = r.duration_ms or 0.0
         height = max(4.0, (AXIS - TOP) * math.log10(1 + took) / scale)
-        width = max(2.0, took / 1000.0 / span * WIDTH)
+        width = took / 1000.0 / span * WIDTH
         when = r.started_at.strftime("%Y-%m-%d %H:%M:%S")
         took_text = f"{took:.0f} ms" if r.duration_ms is not None else "running"
+        left = min(x(r.started_at), WIDTH - 3.0)  # a run that just started stays visible
         line.marks.append(
             Mark(
-                x=x(r.started_at),
+                x=left,
                 y=round(AXIS - height, 2),
-                width=round(min(width, WIDTH - x(r.started_at)) or 2.0, 2),
+                width=round(max(3.0, min(width, WIDTH - left)), 2),
                 height=round(height, 2),
                 status=r.status,
                 title=f"run {r.id}: {r.status}, {when}, {took_text}",
