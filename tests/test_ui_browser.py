@@ -20,7 +20,11 @@ from typing import Any
 import asyncpg
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import WebDriverException
+from selenium.common.exceptions import (
+    NoSuchElementException,
+    StaleElementReferenceException,
+    WebDriverException,
+)
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -109,7 +113,25 @@ def ui(browser: WebDriver) -> Iterator[WebDriver]:
 
 
 def wait(driver: WebDriver, check: Callable[[WebDriver], Any], what: str) -> Any:
-    return WebDriverWait(driver, WAIT, poll_frequency=0.1).until(check, what)
+    # The page swaps its live parts while open: an element found a moment ago may be gone.
+    return WebDriverWait(
+        driver, WAIT, poll_frequency=0.1, ignored_exceptions=[StaleElementReferenceException]
+    ).until(check, what)
+
+
+def click(driver: WebDriver, css: str) -> None:
+    """Click what `css` finds, again if the page swapped it in between."""
+
+    def clicked(d: WebDriver) -> bool:
+        d.find_element(By.CSS_SELECTOR, css).click()
+        return True
+
+    WebDriverWait(
+        driver,
+        WAIT,
+        poll_frequency=0.1,
+        ignored_exceptions=[StaleElementReferenceException, NoSuchElementException],
+    ).until(clicked, f"a click on {css}")
 
 
 def text(driver: WebDriver) -> str:
@@ -184,7 +206,7 @@ def test_login_with_each_token_and_a_wrong_one(
     forged_post(ui, f"{base}/ui/jobs/refresh-cache/run", csrf)
     wait(ui, lambda d: "the read token can see, not act" in text(d), "the read refusal")
     ui.get(f"{base}/ui/")
-    ui.find_element(By.CSS_SELECTOR, "header form button").click()  # log out
+    click(ui, "header form button")  # log out
     wait(ui, lambda d: d.current_url.endswith("/ui/login"), "the login page")
 
     log_in(ui, base, TEST_SECRET)
@@ -215,7 +237,7 @@ async def test_trigger_run_now_and_cancel(
     assert ui.execute_script("return window.__stillHere === true")
 
     # Run now, from the button: the run page, recorded with source ui.
-    ui.find_element(By.CSS_SELECTOR, '[data-job="refresh-cache"] [data-action="run"]').click()
+    click(ui, '[data-job="refresh-cache"] [data-action="run"]')
     wait(ui, lambda d: "/ui/runs/" in d.current_url, "the run page")
     wait(ui, lambda d: "succeeded" in text(d), "the run to finish")
     run_id = int(ui.current_url.rsplit("/", 1)[1])
@@ -232,7 +254,7 @@ async def test_trigger_run_now_and_cancel(
     ui.get(f"{base}/ui/")
     cancel = '[data-job="long-export"] [data-action="cancel"]'
     wait(ui, lambda d: d.find_elements(By.CSS_SELECTOR, cancel), "the cancel button")
-    ui.find_element(By.CSS_SELECTOR, cancel).click()
+    click(ui, cancel)
     landed = f"/ui/runs/{long_id}?notice=cancel-sent"
     wait(ui, lambda d: d.current_url.endswith(landed), "the run")
     wait(ui, lambda d: "cancelled" in text(d), "the cancelled run")
@@ -253,7 +275,7 @@ async def test_trigger_run_now_and_cancel(
     # With JavaScript off, the forms still work: run now, plainly posted.
     ui.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": True})
     ui.get(f"{base}/ui/")
-    ui.find_element(By.CSS_SELECTOR, '[data-job="refresh-cache"] [data-action="run"]').click()
+    click(ui, '[data-job="refresh-cache"] [data-action="run"]')
     wait(ui, lambda d: "/ui/runs/" in d.current_url, "the run page without scripts")
     assert int(ui.current_url.rsplit("/", 1)[1]) > long_id
 
@@ -273,10 +295,10 @@ async def test_requeue_a_dead_email(
     ui.find_element(By.LINK_TEXT, "Outbox").click()
     wait(ui, lambda d: "ann@example.com" in text(d), "the dead letter")
     audit(ui, "outbox")
-    ui.find_element(By.LINK_TEXT, str(email_id)).click()
+    click(ui, f'[data-email="{email_id}"] a')
     wait(ui, lambda d: "the provider refused" in text(d), "the email's attempts")
     audit(ui, "email")
-    ui.find_element(By.CSS_SELECTOR, '[data-action="requeue"]').click()
+    click(ui, '[data-action="requeue"]')
     wait(ui, lambda d: "Requeued." in text(d), "the notice")
     status = "SELECT status FROM cronlock.email_outbox WHERE id = $1"
     assert await db.fetchval(status, email_id) == "pending"
@@ -291,12 +313,12 @@ def test_pause_and_resume(
     log_in(ui, base, TEST_SECRET)
     wait(ui, lambda d: "secret: can act" in text(d), "the jobs page")
     ui.get(f"{base}/ui/jobs/refresh-cache")
-    ui.find_element(By.CSS_SELECTOR, "details.pause summary").click()
+    click(ui, "details.pause summary")
     ui.find_element(By.NAME, "note").send_keys("maintenance")
-    ui.find_element(By.CSS_SELECTOR, '[data-action="pause"]').click()
+    click(ui, '[data-action="pause"]')
     wait(ui, lambda d: "paused" in text(d), "the paused badge")
     assert "paused" in curl(base, "/cron/refresh-cache", header)
-    ui.find_element(By.CSS_SELECTOR, '[data-action="resume"]').click()
+    click(ui, '[data-action="resume"]')
     wait(ui, lambda d: "Resumed." in text(d), "the resume")
     assert '"run_id"' in curl(base, "/cron/refresh-cache", header)
 
