@@ -344,6 +344,35 @@ async def test_everything_rendered_is_escaped(
         assert outbox.count("&lt;script&gt;alert(") >= 2  # recipient and provider error
 
 
+async def test_a_lease_run_shows_its_holder_token_attempts_and_progress(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    app = await ui_app(start_app)
+    first = await db.fetchval(
+        "INSERT INTO cronlock.runs (job, status, trigger, source, instance, started_at,"
+        " finished_at, error) VALUES ('fast', 'abandoned', 'manual', 'http', 'i1', now(),"
+        " now(), 'lease expired') RETURNING id"
+    )
+    run_id = await db.fetchval(
+        "INSERT INTO cronlock.runs (job, status, trigger, source, instance, started_at, attempt,"
+        " retry_of, lease_token, lease_seconds, lease_expires_at, deadline_at, checkpoint,"
+        " progress, steps) VALUES ('fast', 'running', 'manual', 'http', 'i2', now(), 2, $1,"
+        " 41, 30, now() + interval '30 seconds', now() + interval '1 hour',"
+        " '{\"after_id\": 1200}', $2::jsonb, 7) RETURNING id",
+        first,
+        json.dumps({"done": 1200, "of": HOSTILE}),
+    )
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        page = (await user.http.get(f"/ui/runs/{run_id}")).text
+    assert "<h2>Lease</h2>" in page
+    assert "<dt>Token</dt><dd>41</dd>" in page
+    assert "<dt>Holder</dt><dd>i2</dd>" in page
+    assert f'retries <a href="/ui/runs/{first}">run {first}</a>' in page
+    assert "&#34;after_id&#34;: 1200" in page and "<dt>Steps committed</dt><dd>7</dd>" in page
+    assert RAW not in page
+
+
 # --- bad input -----------------------------------------------------------------------------
 
 

@@ -69,6 +69,10 @@ PRUNE_SQL = """
 DELETE FROM {schema}.ui_sessions
 WHERE expires_at <= now() OR NOT (token_fingerprint = ANY($1::bytea[]))
 """
+# The record of actions is kept as long as the run history is (LEDGER_RETENTION_DAYS).
+PRUNE_ACTIONS_SQL = """
+DELETE FROM {schema}.ui_actions WHERE at < now() - make_interval(secs => $1)
+"""
 RECORD_SQL = """
 INSERT INTO {schema}.ui_actions (kind, action, target, detail) VALUES ($1, $2, $3, $4)
 """
@@ -125,6 +129,7 @@ async def create(conn: Conn, settings: Settings, kind: Kind, presented: str) -> 
     csrf = secrets.token_urlsafe(32)
     schema = settings.db_schema
     await conn.execute(qualify(PRUNE_SQL, schema), fingerprints(settings))
+    await conn.execute(qualify(PRUNE_ACTIONS_SQL, schema), settings.ledger_retention_days * 86400)
     await conn.execute(
         qualify(CREATE_SQL, schema),
         _hash_id(value),
