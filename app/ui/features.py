@@ -1,22 +1,40 @@
-"""The adapter between the dashboard and features it shows where this version has them.
+"""The adapter between the dashboard and the features it shows where this version has them.
 
-Pause/resume and retries ("failing, retry n of m") come from the "on its own" work, which
-keeps pause state in the database and answers `POST /cron/jobs/{name}/pause` and `/resume`.
-Until it is merged, this module says they are absent: the pages render nothing for them
-(templates/_pause.html and the `failing` badge) and the pause/resume forms answer 404. To
-connect them, fill in the four functions below from that feature's ops; nothing else in the
-dashboard needs to change.
+Pause/resume and retries ("failing, retry n of m") come from the "on its own" work: pause
+state in `<schema>.pauses` through `app/pause.py` (`active`, `pause`, `resume`), and the pending
+retry of a job in `/cron/jobs`'s view (`JobView.retry`, an `app.retries.RetryView` with `retry`
+and `of`). Where `app/pause.py` does not exist, this module says the features are absent: the
+pages render nothing for them (templates/_pause.html, the `paused` and `failing` badges) and
+the pause and resume forms answer 404. This is the one place that knows their shapes.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from datetime import datetime
+from types import ModuleType
+from typing import Any
 
 from app.db import Conn
-from app.jobs import Job, Registry
+from app.jobs import Job
 from app.ops import JobView
 from app.settings import Settings
+
+
+def _module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:  # the module exists but something it imports is missing
+            raise
+        return None
+
+
+_pause = _module("app.pause")
+
+# Whether this version can pause jobs: the pages offer pause and resume only then.
+PAUSE = _pause is not None
 
 
 class FeatureAbsent(Exception):
@@ -24,25 +42,14 @@ class FeatureAbsent(Exception):
 
 
 @dataclass(frozen=True)
-class Paused:
-    by: str | None  # who paused it (the kind of token, or a name)
-    until: datetime | None  # None: until resumed
-    note: str | None
-
-
-@dataclass(frozen=True)
 class Failing:
-    attempt: int  # the last attempt's number
-    max_attempts: int  # what the job allows (its retries + 1)
+    retry: int  # the coming retry's number
+    of: int  # the retries the job allows
 
 
-# The lead sets this to True when pause/resume is merged (and connects the functions).
-PAUSE = False
-
-
-async def paused(conn: Conn, registry: Registry) -> dict[str, Paused]:
-    """Every paused job's pause, by job name. Absent feature: nothing is paused."""
-    return {}
+def paused(view: JobView) -> Any | None:
+    """The job's pause (`by`, `at`, `note`, `until`) where this version pauses jobs."""
+    return getattr(view, "paused", None)
 
 
 async def pause(
@@ -54,21 +61,21 @@ async def pause(
     note: str | None,
     until: datetime | None,
 ) -> None:
-    raise FeatureAbsent("pause")
+    """Pause `job` on every instance (InvalidTrigger for an `until` not in the future)."""
+    if _pause is None:
+        raise FeatureAbsent("pause")
+    await _pause.pause(conn, settings.db_schema, job.name, by=by, note=note, until=until)
 
 
-async def resume(conn: Conn, settings: Settings, job: Job, *, by: str) -> None:
-    raise FeatureAbsent("resume")
+async def resume(conn: Conn, settings: Settings, job: Job) -> None:
+    if _pause is None:
+        raise FeatureAbsent("resume")
+    await _pause.resume(conn, settings.db_schema, job.name)
 
 
-def failing(job: Job, view: JobView) -> Failing | None:
-    """The job is failing and retrying: its last run failed as attempt n of the m its retry
-    policy allows. Absent feature (no retry policy on `Job`): never."""
-    retries = getattr(job, "retries", None)
-    last = view.last_run
-    if not isinstance(retries, int) or retries <= 0 or last is None:
+def failing(view: JobView) -> Failing | None:
+    """The job's failed slot waiting for its retry n of m, where this version retries."""
+    retry = getattr(view, "retry", None)
+    if retry is None:
         return None
-    attempt = getattr(last, "attempt", None)
-    if last.status == "succeeded" or not isinstance(attempt, int):
-        return None
-    return Failing(attempt=attempt, max_attempts=retries + 1)
+    return Failing(retry=int(retry.retry), of=int(retry.of))

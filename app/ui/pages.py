@@ -226,13 +226,12 @@ async def _jobs_view(conn: Conn, registry: Registry, settings: Settings) -> dict
     await ops.sweep(conn, settings)
     async with ops.reading(conn):
         view = await ops.jobs(conn, registry)
-        pauses = await features.paused(conn, registry)
     rows = [
         {
             "view": j,
             "job": registry[j.name],
-            "failing": features.failing(registry[j.name], j),
-            "paused": pauses.get(j.name),
+            "failing": features.failing(j),
+            "paused": features.paused(j),
         }
         for j in view.jobs
     ]
@@ -395,9 +394,12 @@ async def pause(request: Request, name: str) -> Response:
         note = fields.get("note", "").strip()[:500] or None
         until = _until(fields.get("until"))
         async with db.connection() as conn, ops.reading(conn):
-            await features.pause(
-                conn, settings, job, by=f"ui:{current.kind}", note=note, until=until
-            )
+            try:
+                await features.pause(
+                    conn, settings, job, by=f"ui ({current.kind})", note=note, until=until
+                )
+            except InvalidTrigger as exc:
+                raise Refused(422, f"Not paused: {_problems(exc.args[0])}") from None
             await session.record(conn, settings, current, "pause", name, note=note, until=until)
         return back(request, f"/jobs/{name}", "paused")
 
@@ -413,7 +415,7 @@ async def resume(request: Request, name: str) -> Response:
         if job is None or not features.PAUSE:
             raise Refused(404, "Resuming jobs is not available in this version.")
         async with db.connection() as conn, ops.reading(conn):
-            await features.resume(conn, settings, job, by=f"ui:{current.kind}")
+            await features.resume(conn, settings, job)
             await session.record(conn, settings, current, "resume", name)
         return back(request, f"/jobs/{name}", "resumed")
 
