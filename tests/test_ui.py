@@ -394,7 +394,7 @@ async def test_a_lease_run_shows_its_holder_token_attempts_and_progress(
     assert "<h2>Lease</h2>" in page
     assert "<dt>Token</dt><dd>41</dd>" in page
     assert "<dt>Holder</dt><dd>i2</dd>" in page
-    assert f'retries <a href="/ui/runs/{first}">run {first}</a>' in page
+    assert f'continues <a href="/ui/runs/{first}">run {first}</a>' in page
     assert "&#34;after_id&#34;: 1200" in page
     assert "<dt>Steps committed</dt><dd>7</dd>" in page
     assert RAW not in page
@@ -465,6 +465,15 @@ def _run(
         result=1,
         error=None,
         running=False,
+        attempt=1,
+        retry_of=None,
+        cancel_requested_at=None,
+        holder=None,
+        token=None,
+        lease_expires_at=None,
+        checkpoint=None,
+        progress=None,
+        steps=None,
     )
 
 

@@ -20,7 +20,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from app import ledger, ops, outbox
+from app import ops, outbox
 from app.api import RequestTooLarge, read_body
 from app.db import Conn, Database
 from app.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
@@ -438,12 +438,10 @@ async def run_page(request: Request, run_id: str) -> Response:
                 await ops.sweep(conn, settings, view.job)
             async with ops.reading(conn):
                 view = await ops.run(conn, registry, found_id)
-                # The ledger's row for what the view leaves out: attempts and lease fields.
-                full = await ledger.get(conn, registry.schema, found_id)
                 now = await conn.fetchval(ops.NOW_SQL)
-        if view is None or full is None:
+        if view is None:
             raise Refused(404, "No such run.")
-        return page(request, "run.html", live=True, run=view, full=full, now=now, words=words)
+        return page(request, "run.html", live=True, run=view, now=now, words=words)
 
     return await _guarded(request, render)
 
