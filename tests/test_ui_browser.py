@@ -94,6 +94,7 @@ def browser() -> Iterator[WebDriver]:
         "--disable-extensions",
     ):
         options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # CSP reports land there
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     driver.set_script_timeout(30)
     try:
@@ -139,7 +140,12 @@ def text(driver: WebDriver) -> str:
 
 
 def audit(driver: WebDriver, name: str) -> None:
-    """axe-core on the page as it is now: no serious or critical violation; and a screenshot."""
+    """axe-core on the page as it is now: no serious or critical violation; nothing the CSP
+    refused (the console would say); and a screenshot."""
+    refused = [
+        e["message"] for e in driver.get_log("browser") if "Content Security" in e["message"]
+    ]
+    assert refused == [], f"{name}: {refused}"
     driver.execute_script(AXE.read_text())
     violations = driver.execute_async_script(AXE_RUN)
     bad = [v for v in violations if v["impact"] in ("serious", "critical")]
