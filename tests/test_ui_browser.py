@@ -26,8 +26,8 @@ from selenium.common.exceptions import (
     WebDriverException,
 )
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.chrome.webdriver import WebDriver
 from selenium.webdriver.common.by import By
-from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from app.ui import features
@@ -142,9 +142,8 @@ def text(driver: WebDriver) -> str:
 def audit(driver: WebDriver, name: str) -> None:
     """axe-core on the page as it is now: no serious or critical violation; nothing the CSP
     refused (the console would say); and a screenshot."""
-    refused = [
-        e["message"] for e in driver.get_log("browser") if "Content Security" in e["message"]
-    ]
+    console: list[dict[str, Any]] = driver.get_log("browser")  # type: ignore[no-untyped-call]
+    refused = [e["message"] for e in console if "Content Security" in e["message"]]
     assert refused == [], f"{name}: {refused}"
     driver.execute_script(AXE.read_text())
     violations = driver.execute_async_script(AXE_RUN)
