@@ -236,6 +236,17 @@ async def test_the_read_token_sees_but_cannot_act(
             assert "read token" in r.text
     assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 0
     assert await db.fetchval("SELECT status FROM cronlock.email_outbox") == "dead"
+    # An address in a run's params, result or error is masked as well.
+    async with User(app) as admin:
+        await admin.login(TEST_SECRET)
+        r = await admin.act("/ui/jobs/note/run", params='{"text": "to bob@example.org"}')
+        run_page = r.headers["location"]
+        assert "bob@example.org" in (await admin.http.get(run_page)).text
+    async with User(app) as reader:
+        await reader.login(READ_TOKEN)
+        page = (await reader.http.get(run_page)).text
+        assert "bob@example.org" not in page
+        assert "b•••@example.org" in page
     async with User(app) as admin:
         await admin.login(TEST_SECRET)
         assert "alice@example.com" in (await admin.http.get("/ui/outbox")).text
