@@ -56,6 +56,8 @@ async def test_only_login_and_static_are_open(start_app: StartApp) -> None:
         static = await http.get("/ui/static/ui.css")
         assert static.status_code == 200
         assert static.headers["content-security-policy"] == CSP
+        # Only files: a path that climbs out of the static folder is no page.
+        assert (await http.get("/ui/static/%2e%2e/jobs/fast")).status_code == 404
         # Every other path, known or not, asks for a session first (404s reveal nothing).
         for path in [*PAGES, "/ui/runs/1", "/ui/outbox/1", "/ui/no-such-page", "/ui"]:
             r = await http.get(path)
