@@ -329,13 +329,14 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     if args.job not in registry:
         print(f"cronlock: unknown job {args.job!r}; known: {', '.join(registry)}", file=sys.stderr)
         return EXIT_USAGE
+    registry.check_leases(settings.db_query_timeout, settings.lease_margin)
     job = registry[args.job]
     db = Database(settings)
     await db.open()
+    runner = Runner(settings, registry, db)
     try:
         params = parse_params(job, (args.params or "").encode())
         await db.check(apply_migrations=False)
-        runner = Runner(settings, registry, db)
         outcome = await runner.trigger(
             job, force=args.force, slot=args.slot, params=params, source="cli"
         )
@@ -347,6 +348,9 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
         print(f"cronlock: invalid trigger: {exc.args[0]}", file=sys.stderr)
         return EXIT_USAGE
     finally:
+        # A lease run still held here (interrupted) gives its lease up before the pool goes,
+        # so that a running service takes it over at once.
+        await runner.leases.shutdown()
         await db.close()
     from app.outcome import answer
 

@@ -36,8 +36,14 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from app.db import Conn, Database, deadline, terminate
-from app.errors import DATABASE_ERRORS, DRIVER_ERRORS, LeaseLost, RunCancelled, describe, translate
-from app.ledger import Run
+from app.errors import (
+    CONNECTION_ERRORS,
+    DATABASE_ERRORS,
+    DatabaseUnavailable,
+    LeaseLost,
+    RunCancelled,
+    describe,
+)
 from app.settings import Settings
 from app.sql import qualify
 
@@ -45,6 +51,18 @@ if TYPE_CHECKING:
     from app.jobs import JobContext
 
 log = logging.getLogger("cronlock.lease")
+
+# Failures of the lease's own statements that leave this holder unable to tell what the
+# database has: the lease (and a step's outcome) are then no longer known to be its own.
+UNREACHABLE: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, DatabaseUnavailable)
+# The errors that mean a step's connection broke under the job's own statements (the job's
+# other errors, an OSError or a TimeoutError of its own code among them, are its failure).
+BROKEN: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.ConnectionFailureError,
+)
 
 _RUN = "job = $1 AND coalesce(key, '') = coalesce($2::text, '')"
 
@@ -66,6 +84,7 @@ LIMIT 1
 # "already running" rather than queueing behind it.
 LOCK_SQL = """
 SELECT id, lease_expires_at > now() AS live, status, slot, trigger, source, params,
+       cancel_requested_at IS NOT NULL AS cancel_requested,
        deadline_at IS NOT NULL AND deadline_at <= now() AS past_deadline
 FROM {schema}.runs WHERE id = $1
 FOR UPDATE NOWAIT
@@ -104,7 +123,8 @@ LIMIT 1
 # Close an expired attempt that is being taken over or that ran past the run's deadline.
 CLOSE_SQL = """
 UPDATE {schema}.runs
-SET status = $2, error = $3, finished_at = clock_timestamp(),
+SET status = $2, error = left(coalesce(error || '; ', '') || $3, 2000),
+    finished_at = clock_timestamp(),
     duration_ms = extract(epoch FROM clock_timestamp() - started_at) * 1000
 WHERE id = $1 AND status = 'running'
 """
@@ -151,11 +171,15 @@ WHERE id = $1 AND lease_token = $2 AND status = 'running' AND lease_expires_at >
 RETURNING duration_ms
 """
 
+# `failed` and `cancelled` need the lease live, as a step does: a holder that woke up after
+# its lease ran out must not end a run another instance is about to resume. `timed_out` does
+# not: the run's deadline has passed whoever holds it.
 FINISH_SQL = """
 UPDATE {schema}.runs
 SET status = $3, error = $4, finished_at = clock_timestamp(),
     duration_ms = extract(epoch FROM clock_timestamp() - started_at) * 1000
 WHERE id = $1 AND lease_token = $2 AND status = 'running'
+  AND (lease_expires_at > now() OR $3 = 'timed_out')
 RETURNING duration_ms
 """
 
@@ -168,7 +192,8 @@ WHERE id = $1 AND lease_token = $2 AND status = 'running'
 """
 
 NOTE_SQL = """
-UPDATE {schema}.runs SET error = left(coalesce(error || '; ', '') || $2, 2000) WHERE id = $1
+UPDATE {schema}.runs SET error = left(coalesce(error || '; ', '') || $2, 2000)
+WHERE id = $1 AND status <> 'succeeded'
 """
 
 # Expired lease runs of these jobs: the watcher's list of runs to take over.
@@ -190,11 +215,13 @@ WHERE status = 'running' AND lease_token IS NOT NULL AND lease_expires_at > now(
 ORDER BY id
 """
 
-# A cancel request (`python -m app cancel`): the holder sees it at its next step or renewal.
-REQUEST_CANCEL_SQL = """
-UPDATE {schema}.runs SET cancel_requested_at = now(), cancel_requested_by = $2
-WHERE id = $1 AND status = 'running' AND lease_token IS NOT NULL
-RETURNING lease_expires_at > now() AS live
+# A cancel request (`python -m app cancel`) for the lease run of a (job, key), whichever
+# attempt it is at: the holder sees it at its next step or renewal; a takeover closes a run
+# with a pending request as cancelled instead of resuming it.
+REQUEST_CANCEL_SQL = f"""
+UPDATE {{schema}}.runs SET cancel_requested_at = now(), cancel_requested_by = $3
+WHERE {_RUN} AND status = 'running' AND lease_token IS NOT NULL
+RETURNING id, lease_expires_at > now() AS live
 """
 
 # A run with no live holder is cancelled by the request itself; the row lock orders this
@@ -312,20 +339,24 @@ async def expired(conn: Conn | asyncpg.Pool, schema: str, jobs: list[str]) -> li
 
 
 async def live(conn: Conn, schema: str) -> list[asyncpg.Record]:
+    """The live leases, for the lock views."""
     return await conn.fetch(qualify(LIVE_SQL, schema))
 
 
-async def request_cancel(conn: Conn, schema: str, run: Run, by: str) -> str:
-    """Ask a lease run to stop: "requested" (its live holder stops it at its next step or
-    renewal), "cancelled" (no live holder: done here) or "finished" (nothing to cancel)."""
+async def request_cancel(
+    conn: Conn, schema: str, job: str, key: str | None, by: str
+) -> tuple[str, int | None]:
+    """Ask the lease run of (job, key) to stop: ("requested", id) when a live holder will stop
+    it at its next step or renewal, ("cancelled", id) when it had none (done here), or
+    ("finished", None) when nothing runs."""
     async with conn.transaction():
-        live = await conn.fetchval(qualify(REQUEST_CANCEL_SQL, schema), run.id, by)
-        if live is None:
-            return "finished"
-        if live:
-            return "requested"
-        await conn.execute(qualify(CANCEL_EXPIRED_SQL, schema), run.id, by)
-        return "cancelled"
+        row = await conn.fetchrow(qualify(REQUEST_CANCEL_SQL, schema), job, key, by)
+        if row is None:
+            return "finished", None
+        if row["live"]:
+            return "requested", row["id"]
+        await conn.execute(qualify(CANCEL_EXPIRED_SQL, schema), row["id"], by)
+        return "cancelled", row["id"]
 
 
 def _ms(seconds: float) -> str:
@@ -352,8 +383,10 @@ class Fence:
     """The holder's side of one lease run: steps, the heartbeat and the fenced end.
 
     `last_renewed` is the monotonic time just before the newest renewal that committed (a
-    step's start counts): the lease runs at least until then plus its length on the
-    database's clock, so the holder stops its job once `stop_at` passes without a newer one.
+    step's start counts once it commits; while a step is open, its own renewal counts too: it
+    holds the row, so no takeover can come before it ends). The lease runs at least until
+    then plus its length on the database's clock, so the holder stops its job once `stop_at`
+    passes without a newer one.
     """
 
     def __init__(
@@ -378,8 +411,10 @@ class Fence:
         self.committed_progress: Any = None
         self.last_renewed = time.monotonic()
         self.in_step = False
+        self.step_renewed: float | None = None  # the open step's renewal
         self.steps = 0
-        # Why the holder stopped its job, when it did: the lease is lost, or an operator asked.
+        # Why the holder stopped its job, when it did: the lease is lost, or no longer known
+        # to be this holder's (the database went away under it).
         self.lost: str | None = None
         self.cancel_requested = False
 
@@ -388,10 +423,17 @@ class Fence:
         """The monotonic time past which the lease may have run out: a renewal can hang for
         DB_QUERY_TIMEOUT, and LEASE_MARGIN covers the rest (clock rates, scheduling)."""
         slack = self.settings.db_query_timeout + self.settings.lease_margin
-        return self.last_renewed + self.lease - slack
+        renewed = max(self.last_renewed, self.step_renewed or 0.0)
+        return renewed + self.lease - slack
 
     def _renewed(self, at: float) -> None:
         self.last_renewed = max(self.last_renewed, at)
+
+    def _give_up(self, reason: str) -> LeaseLost:
+        """Stop holding: every later step raises, the runner gives the lease up, and whoever
+        takes the run over resumes from what the database has."""
+        self.lost = reason
+        return LeaseLost(reason)
 
     async def _why(self, conn: Conn) -> str:
         row = await conn.fetchrow(qualify(WHY_SQL, self.schema), self.run_id)
@@ -409,36 +451,49 @@ class Fence:
         cancel request (RunCancelled)."""
         row = await conn.fetchrow(qualify(RENEW_SQL, self.schema), self.run_id, self.token)
         if row is None:
-            reason = await self._why(conn)
-            self.lost = f"lease lost: {reason}"
-            raise LeaseLost(self.lost)
+            raise self._give_up(f"lease lost: {await self._why(conn)}")
         if row["cancel_requested"]:
             self.cancel_requested = True
             raise RunCancelled("cancel requested by an operator")
 
     @contextlib.asynccontextmanager
     async def step(self, ctx: JobContext) -> AsyncIterator[Conn]:
-        """One fenced transaction of the job: see the module docstring."""
+        """One fenced transaction of the job: see the module docstring.
+
+        A database or pooler that goes away under a step leaves its outcome unknown when the
+        commit was under way (it may have landed): the holder then gives the run up
+        (`LeaseLost`), and whoever takes it over resumes from the checkpoint the database has.
+        Errors of the job itself (its SQL, its own code) fail the run as in one-transaction
+        mode."""
         if self.lost is not None:
             raise LeaseLost(self.lost)
         if self.in_step:
             raise RuntimeError("steps do not nest: finish one before starting the next")
         self.in_step = True
         committed = False
-        conn = await self.db.acquire()
-        tx = conn.transaction(isolation="read_committed")
-        opened = False
+        conn: asyncpg.pool.PoolConnectionProxy | None = None
+        tx: asyncpg.transaction.Transaction | None = None
         try:
             started = time.monotonic()
             try:
+                conn = await self.db.acquire()
                 with deadline(conn, self.settings.db_query_timeout):
+                    tx = conn.transaction(isolation="read_committed")
                     await tx.start()
-                    opened = True
                     await conn.fetchrow(STEP_TIMEOUTS_SQL, _ms(self.lease))
                     await self._renew(conn)
-            except DRIVER_ERRORS as exc:
-                raise translate(exc) from exc
-            yield conn
+            except DATABASE_ERRORS as exc:
+                reason = exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc)
+                raise self._give_up(f"a step could not begin: {reason}") from exc
+            self.step_renewed = started
+            try:
+                yield conn
+            except BaseException as exc:
+                if conn.is_closed() or isinstance(exc, BROKEN):
+                    # The step's connection broke under the job's statements: nothing of the
+                    # step committed, but this holder cannot tell what else the server saw.
+                    self._give_up(f"the step's connection broke: {describe(exc)}")
+                raise
             checkpoint = as_json(ctx.checkpoint, "checkpoint")
             progress = as_json(ctx.progress, "progress")
             try:
@@ -451,33 +506,37 @@ class Fence:
                         progress,
                     )
                     await tx.commit()
-            except DRIVER_ERRORS as exc:
-                raise translate(exc) from exc
+            except UNREACHABLE as exc:
+                reason = exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc)
+                raise self._give_up(
+                    f"a step's commit may or may not have landed: {reason}"
+                ) from exc
             committed = True
             self._renewed(started)
             self.steps += 1
             self.committed_checkpoint, self.committed_progress = checkpoint, progress
         finally:
-            self.in_step = False
+            self.in_step, self.step_renewed = False, None
             if not committed:
-                # What the database has: a job that goes on after a failed step resumes from
-                # the last committed checkpoint, not from one that was rolled back.
+                # What the database has, as far as this holder knows: a job that goes on after
+                # a failed step resumes from the last checkpoint it saw commit.
                 ctx.checkpoint = json_copy(self.committed_checkpoint)
                 ctx.progress = json_copy(self.committed_progress)
-                await self._discard(conn, tx if opened else None)
-            await self.db.release(conn)
+            if conn is not None:
+                if not committed:
+                    await self._discard(conn, tx)
+                await self.db.release(conn)
 
     async def _discard(self, conn: Conn, tx: asyncpg.transaction.Transaction | None) -> None:
         """Roll a step back; on a cancelled task or a broken connection, close the socket
         instead (no cancel request through PgBouncer; the server rolls back)."""
         task = asyncio.current_task()
-        if task is not None and task.cancelling():
+        if tx is None or conn.is_closed() or (task is not None and task.cancelling()):
             terminate(conn)
             return
         try:
-            if tx is not None:
-                with deadline(conn, self.settings.db_query_timeout):
-                    await tx.rollback()
+            with deadline(conn, self.settings.db_query_timeout):
+                await tx.rollback()
         except Exception:
             terminate(conn)
 
@@ -512,16 +571,18 @@ class Fence:
                 log.warning(
                     "lease renewal of run %s failed: %s",
                     self.run_id,
-                    exc.reason if hasattr(exc, "reason") else describe(exc),
+                    exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc),
                     extra={"job": self.job, "run_id": self.run_id},
                 )
                 continue
             self._renewed(started)
 
     async def succeed(self, result: Any, checkpoint: Any, progress: Any) -> float:
-        """The fenced end: the run is done (LeaseLost if the lease is no longer ours)."""
-        async with self.db.connection() as conn:
-            try:
+        """The fenced end: the run is done. LeaseLost if the lease is no longer ours, or if
+        the database went away meanwhile (the update may have landed: the next holder, or
+        the ledger, knows)."""
+        try:
+            async with self.db.connection() as conn:
                 duration = await conn.fetchval(
                     qualify(SUCCEED_SQL, self.schema),
                     self.run_id,
@@ -530,28 +591,34 @@ class Fence:
                     checkpoint,
                     progress,
                 )
-            except DRIVER_ERRORS as exc:
-                raise translate(exc) from exc
-            if duration is None:
-                self.lost = f"lease lost: {await self._why(conn)}"
-                raise LeaseLost(self.lost)
+                if duration is None:
+                    raise self._give_up(f"lease lost: {await self._why(conn)}")
+        except UNREACHABLE as exc:
+            reason = exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc)
+            raise self._give_up(f"the final commit may or may not have landed: {reason}") from exc
         return float(duration)
 
-    async def finish(self, status: str, error: str) -> float | None:
-        """Record an attempt that did not succeed, if the run is still this holder's."""
+    async def finish(self, status: str, error: str) -> bool:
+        """Record an attempt that did not succeed; False if the run is no longer this
+        holder's (its lease ran out: a takeover resumes it) or the database could not be
+        told (the row stays `running`, its lease runs out, and the same happens)."""
         try:
             async with self.db.connection() as conn:
                 value = await conn.fetchval(
                     qualify(FINISH_SQL, self.schema), self.run_id, self.token, status, error
                 )
         except Exception as exc:
-            # Left `running`: its lease runs out and it is taken over or times out.
             log.warning("could not record run %s as %s: %s", self.run_id, status, describe(exc))
-            return None
-        return float(value) if value is not None else None
+            self.lost = f"could not record it as {status}: {describe(exc)}"
+            return False
+        if value is None:
+            self.lost = f"its lease ran out before it could record {status}"
+            return False
+        return True
 
     async def give_up(self) -> None:
-        """End the lease now (shutdown): another instance resumes the run at once."""
+        """End the lease now (shutdown, a lost database): another instance resumes the run at
+        once. Fenced like a renewal: a lease that is no longer ours is left alone."""
         try:
             async with self.db.connection() as conn:
                 await conn.execute(qualify(GIVE_UP_SQL, self.schema), self.run_id, self.token)

@@ -25,14 +25,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
+import asyncpg
+from pydantic import ValidationError
+
 from app import lease
 from app.db import deadline
 from app.errors import (
-    CONNECTION_ERRORS,
-    DATABASE_ERRORS,
     DRIVER_ERRORS,
     STANDBY_REASON,
     DatabaseUnavailable,
+    InvalidTrigger,
     LeaseLost,
     RunCancelled,
     describe,
@@ -82,6 +84,8 @@ class LeaseRunner:
         self.settings = runner.settings
         self.db = runner.db
         self.holding: dict[int, Holding] = {}
+        # Set at shutdown: no more takeovers, and a run begun meanwhile is given up at once.
+        self.closing = False
 
     async def start(
         self,
@@ -128,6 +132,7 @@ class LeaseRunner:
                         taken = await self._take_over(conn, job, key, found)
                         if taken == "busy":  # a step of the old holder has the row right now
                             return None if takeover_only else self._skip(job, trigger, source, key)
+                        # "gone": closed (or ended) just now; decide afresh below
                         if isinstance(taken, TakenOver):
                             begun, took_over, slot = taken.begun, taken.old_id, taken.slot
                             trigger, source, params = taken.trigger, taken.source, taken.params
@@ -167,6 +172,18 @@ class LeaseRunner:
         finally:
             await self.db.release(conn)
         assert begun is not None
+        if self.closing:
+            # Shut down meanwhile: give the lease straight back, for another instance to run.
+            await lease.Fence(
+                self.db,
+                settings,
+                job=job.name,
+                run_id=begun.run_id,
+                token=begun.token,
+                lease=job.lease or 0.0,
+                checkpoint=None,
+            ).give_up()
+            return None if takeover_only else self._skip(job, trigger, source, key)
         holding = self._hold(job, key, begun, slot, trigger, source, params, left)
         if took_over is not None:
             log.warning(
@@ -203,40 +220,43 @@ class LeaseRunner:
 
     async def _take_over(
         self, conn: Any, job: Job, key: str | None, found: lease.Current
-    ) -> TakenOver | Literal["busy", "timed_out"]:
+    ) -> TakenOver | Literal["busy", "gone"]:
         """Close the expired attempt and write its successor (same slot, params, checkpoint
-        and deadline, a new token); "busy" when a step of the old holder has the row (or it
-        was renewed meanwhile). A run past its deadline is closed as timed out instead, and
-        the caller goes on as if there had been none."""
+        and deadline, a new token). "busy": a step of the old holder has the row, or the lease
+        was renewed meanwhile. "gone": there is nothing to resume, and the caller decides
+        afresh: the run ended meanwhile, or is closed here because it is past its deadline,
+        has a cancel request pending, or has params this release no longer accepts."""
         schema = self.settings.db_schema
         locked = await lease.lock(conn, schema, found.id)
-        if locked is None:
+        if locked is None or locked["live"]:
             return "busy"
-        old = locked
-        trigger: Trigger = old["trigger"]
-        if locked["status"] != "running" or locked["live"]:
-            # Renewed or finished between the first look and the row lock: nothing to take.
-            return "busy"
+        if locked["status"] != "running":
+            return "gone"
+        trigger: Trigger = locked["trigger"]
+        closing: tuple[str, str] | None = None
+        params: Any = None
         if locked["past_deadline"]:
-            await lease.close(
-                conn,
-                schema,
-                found.id,
-                "timed_out",
-                f"exceeded its timeout of {job.timeout} s (its lease had expired too)",
-            )
-            return "timed_out"
-        params = job.params.model_validate(old["params"]) if job.params is not None else None
+            closing = "timed_out", f"exceeded its timeout of {job.timeout} s (its lease ran out)"
+        elif locked["cancel_requested"]:
+            closing = "cancelled", "cancelled by an operator while it had no live holder"
+        elif job.params is not None:
+            try:
+                params = job.params.model_validate(locked["params"])
+            except ValidationError as exc:
+                closing = "failed", f"its params are not valid for this release: {exc}"[:2000]
+        if closing is not None:
+            await lease.close(conn, schema, found.id, *closing)
+            return "gone"
         begun = await lease.begin(
             conn,
             schema,
             job=job.name,
             key=key,
-            slot=old["slot"],
+            slot=locked["slot"],
             trigger=trigger,
-            source=old["source"],
+            source=locked["source"],
             instance=self.settings.instance_name,
-            params=old["params"],
+            params=locked["params"],
             lease=job.lease or 0.0,
             run_timeout=job.timeout,
             previous=found.id,
@@ -250,7 +270,7 @@ class LeaseRunner:
             f"its lease expired at {found.expires_at.isoformat()}; taken over by run "
             f"{begun.run_id} on {self.settings.instance_name}",
         )
-        return TakenOver(begun, found.id, old["slot"], trigger, old["source"], params)
+        return TakenOver(begun, found.id, locked["slot"], trigger, locked["source"], params)
 
     def _skip(self, job: Job, trigger: Trigger, source: str, key: str | None) -> Outcome:
         return self.runner.skip(job, "already running", None, trigger, source, key)
@@ -318,28 +338,23 @@ class LeaseRunner:
                 raise
             if not done:
                 await _stop(task)
-                await fence.finish("timed_out", f"exceeded its timeout of {job.timeout} s")
+                if not await fence.finish("timed_out", f"exceeded its timeout of {job.timeout} s"):
+                    return await self._lost(h)
                 return self._outcome(h, "timed_out")
             error: BaseException | None = (
                 asyncio.CancelledError() if task.cancelled() else task.exception()
             )
-            if fence.lost is not None and (
-                error is None or isinstance(error, LeaseLost | asyncio.CancelledError)
-            ):
+            if fence.lost is not None:
+                # The lease is lost, or no longer known to be ours (the database went away
+                # under a step, whose commit may have landed): whatever the job then did, the
+                # run is the next holder's, who resumes from what the database has.
                 return await self._lost(h)
             if isinstance(error, RunCancelled) or (
                 fence.cancel_requested and isinstance(error, asyncio.CancelledError)
             ):
-                await fence.finish("cancelled", "cancelled by an operator")
+                if not await fence.finish("cancelled", "cancelled by an operator"):
+                    return await self._lost(h)
                 return self._outcome(h, "cancelled", reason="cancelled by an operator")
-            if isinstance(error, (DatabaseUnavailable, *CONNECTION_ERRORS)):
-                # The database (or the pooler) went away under a step: whether that step's
-                # commit landed is unknown, and only the database knows the checkpoint. Hand
-                # the run over rather than fail it: whoever takes it over next (this instance's
-                # watcher included, once the database is back) resumes from what committed.
-                await fence.give_up()
-                fence.lost = f"handed over: {error}"
-                return await self._lost(h)
             if isinstance(error, asyncio.CancelledError):
                 error = RuntimeError("the job's task was cancelled (it raised CancelledError)")
             if error is None:
@@ -351,7 +366,8 @@ class LeaseRunner:
                     )
                 else:
                     return await self._succeed(h, result)
-            await fence.finish("failed", f"{type(error).__name__}: {error}"[:2000])
+            if not await fence.finish("failed", f"{type(error).__name__}: {error}"[:2000]):
+                return await self._lost(h)
             return self._outcome(h, "failed", reason=str(error)[:200])
         finally:
             beat.cancel()
@@ -369,13 +385,12 @@ class LeaseRunner:
             )
         except LeaseLost:
             return await self._lost(h)
-        except TypeError as exc:  # ctx.checkpoint or ctx.progress is not JSON
-            reason = str(exc)
-            await fence.finish("failed", reason)
-            return self._outcome(h, "failed", reason=reason)
-        except DATABASE_ERRORS as exc:
-            reason = exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc)
-            await fence.finish("failed", f"could not record success: {reason}")
+        except (TypeError, asyncpg.PostgresError) as exc:
+            # Not JSON (ctx.checkpoint, ctx.progress), or a value the database refused in them:
+            # the job's mistake, as a result that is not JSON is.
+            reason = str(exc) if isinstance(exc, TypeError) else describe(exc)
+            if not await fence.finish("failed", f"could not record success: {reason}"):
+                return await self._lost(h)
             return self._outcome(h, "failed", reason=reason)
         return self._outcome(h, "succeeded", processed=result, duration=duration)
 
@@ -397,6 +412,9 @@ class LeaseRunner:
         )
         if self.runner.metrics is not None:
             self.runner.metrics.leases_lost.labels(h.job.name).inc()
+        # Fenced: a lease another holder has now is left alone; one still ours (the database
+        # went away under us) ends now, so the takeover need not wait it out.
+        await h.fence.give_up()
         await h.fence.note(f"its holder on {self.settings.instance_name} stopped: {reason}")
         return self._outcome(h, "lease_lost", reason=reason)
 
@@ -458,6 +476,8 @@ class LeaseRunner:
         except DRIVER_ERRORS as exc:
             raise translate(exc) from exc
         for row in rows:
+            if self.closing:
+                return
             job = self.runner.registry[row["job"]]
             local = (job.name, row["key"])
             if local in self.runner.local:
@@ -468,6 +488,9 @@ class LeaseRunner:
                 started = await self.start(
                     job, row["key"], "scheduled", None, None, "takeover", takeover_only=True
                 )
+            except (DatabaseUnavailable, InvalidTrigger) as exc:
+                # One run that cannot be taken over now must not keep the others waiting.
+                log.warning("could not take run %s over: %s", row["id"], exc)
             finally:
                 if started is None:
                     self.runner.local.pop(local, None)
@@ -476,14 +499,19 @@ class LeaseRunner:
         """At SIGTERM: stop the lease jobs at once and give their leases up, so that another
         instance resumes each from its last committed step now, rather than this one
         spending the grace period on work that a step boundary makes safe to redo."""
+        self.closing = True
         tasks = [h.task for h in self.holding.values() if h.task is not None]
         for task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
+            # Longer than `_stop` gives a job to unwind, so that each gets to give its lease up.
+            await asyncio.wait(tasks, timeout=_STOP_WAIT + 3.0)
+
+
+_STOP_WAIT = 5.0
 
 
 async def _stop(task: asyncio.Task[Any]) -> None:
     task.cancel()
     with contextlib.suppress(BaseException):
-        await asyncio.wait({task}, timeout=5.0)
+        await asyncio.wait({task}, timeout=_STOP_WAIT)

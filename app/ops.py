@@ -483,6 +483,8 @@ async def cancel(
 
     first = await holder()
     if first is None:
+        first = await _expired_lease(conn, registry, settings, job, key)
+    if first is None:
         return None
     if first.kind == "lease":
         return await _cancel_lease(conn, registry, settings, first, wait)
@@ -524,33 +526,70 @@ async def cancel(
     return Cancelled(first, signalled, released, found)
 
 
+async def _expired_lease(
+    conn: Conn, registry: Registry, settings: Settings, job: str, key: str | None
+) -> LockView | None:
+    """A lease run whose lease ran out (its holder died, nobody took it over yet): not in the
+    lock views, but still `running`, and cancelling it is what an operator means."""
+    if job not in registry or registry[job].lease is None:
+        return None
+    with deadline(conn, settings.db_query_timeout):
+        async with reading(conn):
+            found = await lease.current(conn, registry.schema, job, key)
+    if found is None:
+        return None
+    lk = registry.lock(job, key)
+    return LockView(
+        kind="lease",
+        job=job,
+        job_key=key,
+        key=str(lk.key),
+        classid=lk.classid,
+        objid=lk.objid,
+        pid=None,
+        holder=None,
+        instance=None,
+        state="expired",
+        held_for=None,
+        granted=True,
+        run_id=found.id,
+        lease_expires_at=found.expires_at,
+    )
+
+
 async def _cancel_lease(
     conn: Conn, registry: Registry, settings: Settings, first: LockView, wait: float
 ) -> Cancelled:
     """A lease run is stopped by its holder, which sees the request at its next step or lease
     renewal (within a third of the lease), records it `cancelled` and ends its job; a run with
-    no live holder is cancelled by the request itself. `--terminate` has nothing to add: no
-    backend holds a lease run's transaction between steps."""
-    assert first.run_id is not None
-    with deadline(conn, settings.db_query_timeout):
-        async with reading(conn):
-            found = await ledger.get(conn, registry.schema, first.run_id)
-            done = (
-                await lease.request_cancel(conn, registry.schema, found, "cli")
-                if found is not None
-                else "finished"
-            )
+    no live holder is cancelled by the request itself, and a takeover closes a run with a
+    pending request as cancelled rather than resuming it. The request goes to the (job, key)'s
+    lease run, whichever attempt it is at now, and again if a takeover made a new one
+    meanwhile. `--terminate` has nothing to add: no backend holds a lease run between steps."""
+    assert first.job is not None
     give_up_at = time.monotonic() + wait
-    view = None
+    signalled = released = False
+    last = first.run_id
     while True:
         with deadline(conn, settings.db_query_timeout):
             async with reading(conn):
-                view = await run(conn, registry, first.run_id)
-        if view is None or view.status != "running" or time.monotonic() > give_up_at:
+                done, run_id = await lease.request_cancel(
+                    conn, registry.schema, first.job, first.job_key, "cli"
+                )
+        if run_id is not None:
+            signalled, last = True, run_id
+        if done == "finished":
+            released = True
+            break
+        if time.monotonic() > give_up_at:
             break
         await asyncio.sleep(0.1)
-    released = view is None or view.status != "running"
-    return Cancelled(first, done in ("requested", "cancelled"), released, view)
+    view = None
+    if last is not None:
+        with deadline(conn, settings.db_query_timeout):
+            async with reading(conn):
+                view = await run(conn, registry, last)
+    return Cancelled(first, signalled, released, view)
 
 
 async def signal_holder(conn: Conn, pid: int, *, terminate: bool) -> bool:

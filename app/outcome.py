@@ -62,6 +62,14 @@ def answer(outcome: Outcome) -> tuple[int, dict[str, Any]]:
         return 202, accepted
     if outcome.kind == "timed_out":
         return 504, {"error": "job timed out", **ids}
+    if outcome.kind == "lease_lost":
+        # Only `python -m app run` of a lease job prints this (a trigger answered 202 long
+        # before): the run was handed over and goes on, or is recorded, elsewhere.
+        return 500, {
+            "error": "lease lost: the run goes on elsewhere",
+            "reason": outcome.reason,
+            **ids,
+        }
     if outcome.kind == "cancelled":
         # Still a 5xx: the slot is not done, and a scheduler should know.
         return 500, {"error": "job cancelled", **ids}

@@ -9,6 +9,7 @@ needs short database timeouts: LEASE_ENV is what an app serving them is started 
 from __future__ import annotations
 
 import asyncio
+from typing import Literal
 
 import asyncpg
 from pydantic import BaseModel, Field
@@ -42,15 +43,18 @@ class Items(BaseModel):
     pause: float = Field(default=0.05, ge=0, le=10)
     # Seconds spent inside each step, holding the run's row.
     hold: float = Field(default=0.0, ge=0, le=10)
-    # Fail (raise) once the checkpoint reaches this item (0: never).
+    # Fail (raise) once the checkpoint reaches this item (0: never), on the first attempt.
     fail_at: int = Field(default=0, ge=0)
+    # What it raises: an error of the job's own code, database or not.
+    fail_with: Literal["RuntimeError", "OSError", "TimeoutError"] = "RuntimeError"
 
 
 async def work(ctx: JobContext, p: Items) -> int:
     last = int((ctx.checkpoint or {}).get("last", 0))
     while last < p.n:
         if p.fail_at and last >= p.fail_at and ctx.attempt == 1:
-            raise RuntimeError(f"failing on purpose at item {last}")
+            error = {"RuntimeError": RuntimeError, "OSError": OSError, "TimeoutError": TimeoutError}
+            raise error[p.fail_with](f"failing on purpose at item {last}")
         await asyncio.sleep(p.pause)
         async with ctx.step() as conn:
             upto = min(p.n, last + p.batch)
