@@ -533,3 +533,31 @@ def test_masking() -> None:
     assert words.mask("550 <bob.smith@mail.example.org> unknown") == (
         "550 <b•••@mail.example.org> unknown"
     )
+
+
+def test_paused_and_failing_badges_render_from_the_views_fields() -> None:
+    """What the "on its own" feature adds to a job's view (`paused`, `retry`) becomes its
+    badges: the adapter and the template, without that feature's tables."""
+    from types import SimpleNamespace
+
+    from app.ui.pages import templates
+
+    until = datetime(2026, 12, 4, 8, 0, tzinfo=UTC)
+    view = SimpleNamespace(
+        overdue=False,
+        running=False,
+        running_keys=[],
+        paused=SimpleNamespace(by="ui (secret)", at=until, note=HOSTILE, until=until),
+        retry=SimpleNamespace(retry=2, of=3),
+    )
+    failing = features.failing(view)  # type: ignore[arg-type]
+    assert failing == features.Failing(retry=2, of=3)
+    row = {"view": view, "failing": failing, "paused": features.paused(view)}  # type: ignore[arg-type]
+    html = templates.get_template("_badges.html").render(row=row, root="")
+    assert "failing, retry 2 of 3" in html
+    assert "paused by ui (secret) until 2026-12-04 08:00:00 UTC: &lt;script&gt;" in html
+    assert RAW not in html
+    assert ">ok<" not in html
+    plain = SimpleNamespace(overdue=False, running=False, running_keys=[])
+    assert features.failing(plain) is None  # type: ignore[arg-type]
+    assert features.paused(plain) is None  # type: ignore[arg-type]
