@@ -561,3 +561,52 @@ def test_paused_and_failing_badges_render_from_the_views_fields() -> None:
     plain = SimpleNamespace(overdue=False, running=False, running_keys=[])
     assert features.failing(plain) is None  # type: ignore[arg-type]
     assert features.paused(plain) is None  # type: ignore[arg-type]
+
+
+async def test_the_less_common_shapes_render(
+    start_app: StartApp, db: asyncpg.Connection, client: httpx.AsyncClient
+) -> None:
+    """A keyed job (its key filter, its run with a key), a run with a cancel request, an email
+    waiting in a batch: every branch of the templates renders (they refuse unknown fields)."""
+    app = await ui_app(start_app)
+    r = await client.post(f"{app.url}/cron/keyed", headers=auth_headers(), json={"customer_id": 7})
+    run_id = r.json()["run_id"]
+    await db.execute(
+        "UPDATE cronlock.runs SET cancel_requested_at = now(), cancel_requested_by = 'cli'"
+        " WHERE id = $1",
+        run_id,
+    )
+    batch = await db.fetchval(
+        "INSERT INTO cronlock.email_batch (idempotency_key, body, size, attempts, last_error)"
+        " VALUES ('b-1', '\\x00', 2, 1, 'timeout') RETURNING id"
+    )
+    email_id = await db.fetchval(
+        "INSERT INTO cronlock.email_outbox (job, sender, recipient, subject, body, batch_id,"
+        " next_attempt_at) VALUES ('daily-digest', 'a@example.com', 'c@example.com', 'Hi',"
+        " 'body', $1, 'infinity') RETURNING id",
+        batch,
+    )
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        job = (await user.http.get("/ui/jobs/keyed?key=7")).text
+        assert 'id="f-key"' in job
+        assert job.count('data-run="') == 1
+        assert "with its key <code>customer_id</code>" in job
+        run = (await user.http.get(f"/ui/runs/{run_id}")).text
+        assert "<dt>Key</dt><dd>7</dd>" in run
+        assert "<dt>Cancel requested</dt>" in run
+        email = (await user.http.get(f"/ui/outbox/{email_id}")).text
+        assert "with its batch" in email
+        assert f"{batch}: pending, 1 attempts, last error: timeout" in email
+
+
+async def test_a_lease_job_page_says_its_lease(start_app: StartApp) -> None:
+    from tests.lease_jobs import LEASE_SETTINGS
+
+    app = await start_app(cron_jobs="tests.lease_jobs", ui_cookie_secure=False, **LEASE_SETTINGS)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        page = await user.http.get("/ui/jobs/lease-items")
+        assert page.status_code == 200
+        assert "<dt>Lease</dt>" in page.text
+        assert (await user.http.get("/ui/")).status_code == 200
