@@ -96,9 +96,11 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
         description="Scheduled jobs that run exactly once across instances.",
         lifespan=lifespan,
     )
-    api.install(app, registry, settings)
     if settings.ui_enabled:
-        ui.install(app, registry, settings)  # its session check sits inside BearerAuth
+        # Before api.install: its session check then sits inside TriggerDispatch (and
+        # BearerAuth), so a trigger never passes through it.
+        ui.install(app, registry, settings)
+    api.install(app, registry, settings)
     tokens = settings.secrets()
     app.add_middleware(
         BearerAuth,
