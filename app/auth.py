@@ -22,6 +22,9 @@ class Access(Enum):
     READ = "read"  # jobs, runs, locks, the OpenAPI document: the secret or the read token
     METRICS = "metrics"  # /metrics: its own token, or any of the above
     OPEN = "open"  # health checks
+    # The dashboard (/ui/): its own session check decides (app/ui/session.py), not a Bearer
+    # token; without the dashboard (UI_ENABLED=false) these paths need the secret like others.
+    SESSION = "session"
 
 
 OPEN_PATHS = ("/healthz", "/readyz")
@@ -34,6 +37,8 @@ def required_access(method: str, path: str) -> Access:
         return Access.OPEN
     if path == "/metrics":
         return Access.METRICS
+    if path == "/ui" or path.startswith("/ui/"):
+        return Access.SESSION
     if method in ("GET", "HEAD") and (
         path in READ_PATHS or path.startswith(("/cron/runs/", "/docs/"))
     ):
@@ -82,10 +87,12 @@ class BearerAuth:
         run_tokens: Sequence[bytes],
         read_tokens: Sequence[bytes] = (),
         metrics_tokens: Sequence[bytes] = (),
+        sessions: bool = False,
     ) -> None:
         if not run_tokens:
             raise ValueError("no cron secret: refusing to serve jobs without one")
         self.app = app
+        self.sessions = sessions
         self.tokens = {
             Access.RUN: list(run_tokens),
             Access.READ: [*run_tokens, *read_tokens],
@@ -102,6 +109,8 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         access = required_access(scope["method"], route_path(scope))
+        if access is Access.SESSION:
+            access = Access.OPEN if self.sessions else Access.RUN
         if access is not Access.OPEN:
             header = None
             for name, value in scope["headers"]:

@@ -174,9 +174,20 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             "cronlock: trigger the demo job with:\n"
             f"  curl -X POST -H @{header} http://{args.host}:{args.port}/cron/daily-digest"
         )
-    # Read again: DATABASE_URL and CRON_SECRET_FILE may have just been set above.
+    # The dashboard's cookie is Secure by default (behind TLS termination the app sees only
+    # http); a browser on plain http to a loopback address is the quick start, not that.
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    if loopback and "ui_cookie_secure" not in settings.model_fields_set:
+        os.environ["UI_COOKIE_SECURE"] = "false"
+    # Read again: DATABASE_URL, CRON_SECRET_FILE, UI_COOKIE_SECURE may have just been set.
     settings = Settings()
     settings.check_secrets()
+    if settings.ui_enabled:
+        secure = "" if settings.ui_cookie_secure else " (cookie without Secure: loopback http)"
+        print(
+            f"cronlock: dashboard at http://{args.host}:{args.port}/ui/, log in with the token"
+            f" in {settings.cron_secret_file or 'CRON_SECRET'}{secure}"
+        )
     # uvicorn re-raises SIGTERM once it has shut down; as an exception rather than the default
     # action, it still lets the `finally` below stop the embedded PostgreSQL.
     signal.signal(signal.SIGTERM, _exit_on_signal)

@@ -13,7 +13,7 @@ from typing import TypedDict
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from app import __version__, alerts, api, catchup, logs, retries, scheduler, sender
+from app import __version__, alerts, api, catchup, logs, retries, scheduler, sender, ui
 from app.auth import BearerAuth
 from app.db import Database
 from app.errors import JobDefinitionError
@@ -105,6 +105,10 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
         description="Scheduled jobs that run exactly once across instances.",
         lifespan=lifespan,
     )
+    if settings.ui_enabled:
+        # Before api.install: its session check then sits inside TriggerDispatch (and
+        # BearerAuth), so a trigger never passes through it.
+        ui.install(app, registry, settings)
     api.install(app, registry, settings)
     tokens = settings.secrets()
     app.add_middleware(
@@ -112,6 +116,7 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
         run_tokens=tokens,
         read_tokens=_token(settings.cron_read_token),
         metrics_tokens=_token(settings.metrics_token),
+        sessions=settings.ui_enabled,
     )
     return app
 

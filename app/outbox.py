@@ -956,3 +956,40 @@ async def prune_sent(
         total += deleted
         if deleted < chunk:
             return total
+
+
+# --- the dashboard's views: one email, and the delivery rate (app/ui) -----------------------
+
+EMAIL_SQL = """
+SELECT o.id, o.job, o.slot, o.user_id, o.recipient, o.subject, o.status, o.attempts,
+       o.next_attempt_at, o.locked_until, o.created_at, o.sent_at, o.provider_message_id,
+       o.last_error, o.idempotency_key, o.key_created_at, o.batch_id,
+       b.status AS batch_status, b.attempts AS batch_attempts, b.last_error AS batch_error
+FROM {schema}.email_outbox AS o
+LEFT JOIN {schema}.email_batch AS b ON b.id = o.batch_id
+WHERE o.id = $1
+"""
+
+
+async def email(conn: Conn, *, schema: str, email_id: int) -> dict[str, Any] | None:
+    """One outbox row with its delivery state (attempts, next attempt, last error) and its
+    batch's, or None. Only the latest error is kept per row: there is no per-attempt log."""
+    row = await conn.fetchrow(qualify(EMAIL_SQL, schema), email_id)
+    return dict(row.items()) if row is not None else None
+
+
+SENT_SQL = """
+SELECT count(*) AS sent,
+       count(*) FILTER (WHERE sent_at > now() - interval '1 minute') AS last_minute,
+       count(*) FILTER (WHERE sent_at > now() - interval '1 hour') AS last_hour
+FROM {schema}.email_outbox
+WHERE status = 'sent'
+"""
+
+
+async def sent_stats(conn: Conn, schema: str) -> dict[str, int]:
+    """Sent rows still kept (OUTBOX_RETENTION_DAYS), and how many left in the last minute and
+    hour: the send rate."""
+    row = await conn.fetchrow(qualify(SENT_SQL, schema))
+    assert row is not None
+    return {k: int(row[k]) for k in ("sent", "last_minute", "last_hour")}

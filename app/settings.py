@@ -142,6 +142,16 @@ class Settings(BaseSettings):
     # Webhooks are given up after this long (pings: after the job's grace).
     alert_retry_window: float = Field(default=86400.0, gt=0)
 
+    # --- dashboard (/ui/, docs/dashboard.md) -----------------------------------------------
+    ui_enabled: bool = True
+    # The session cookie's `Secure` flag. Keep it on behind TLS termination (the app only sees
+    # plain http there); `python -m app serve` on loopback turns it off unless set, and says so.
+    ui_cookie_secure: bool = True
+    # A session ends this long after login (logout, or rotating its token, ends it at once).
+    ui_session_ttl: float = Field(default=12 * 3600.0, gt=0)
+    # How often an open page refreshes its data (JavaScript; 0 = never).
+    ui_refresh_interval: float = Field(default=5.0, ge=0)
+
     # --- outbox delivery --------------------------------------------------------------------
     outbox_enabled: bool = True
     outbox_batch_size: int = Field(default=50, ge=1)

@@ -75,6 +75,12 @@ def test_matches_any_candidate_and_nothing_else() -> None:
         ("GET", "/api/cron/jobs", Access.RUN),
         ("POST", "/healthz/", Access.RUN),
         ("POST", "/metrics", Access.METRICS),
+        # The dashboard's own session check decides there (app/ui/session.py).
+        ("GET", "/ui/", Access.SESSION),
+        ("POST", "/ui/jobs/fast/run", Access.SESSION),
+        ("GET", "/ui", Access.SESSION),
+        ("GET", "/uix", Access.RUN),
+        ("GET", "/cron/ui/", Access.RUN),
     ],
 )
 def test_required_access(method: str, path: str, access: Access) -> None:

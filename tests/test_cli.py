@@ -31,6 +31,7 @@ from app import cli
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
+from tests.support.ui import csrf_of
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
 Starter = Callable[..., Any]
@@ -621,6 +622,19 @@ async def test_serve_with_nothing_configured_starts_what_it_needs(
             assert first.json()["processed"] == 3
             again = await client.post("/cron/daily-digest", headers=auth)
             assert again.json()["reason"] == "already done"
+            # The dashboard as a newcomer opens it: the address serve printed, the secret
+            # file's token, a cookie without Secure on loopback http (and serve says so).
+            printed = served.output_path.read_text()
+            assert f"dashboard at {served.url}/ui/" in printed
+            assert "cookie without Secure" in printed
+            login = await client.get("/ui/login")
+            token = secret.read_text().strip()
+            done = await client.post(
+                "/ui/login", data={"csrf": csrf_of(login.text), "token": token}
+            )
+            assert done.status_code == 303
+            assert "Secure" not in done.headers["set-cookie"]
+            assert "daily-digest" in (await client.get("/ui/")).text
         pid_file = serve_dir / "var" / "pg" / "postmaster.pid"
         assert pid_file.exists()
         os.kill(served.pid, signal.SIGTERM)

@@ -1,0 +1,612 @@
+"""The dashboard in-process (httpx against the ASGI app): sessions and their safety, the
+pages, the actions. The browser's view of it is tests/test_ui_browser.py."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from app.jobs import Job
+from app.ops import RunView
+from app.schedule import Schedule
+from app.ui import features, timeline, words
+from app.ui.session import CSP
+from tests.support import TEST_SECRET, auth_headers
+from tests.support.asgi import InProcess, StartApp
+from tests.support.ui import READ_TOKEN, User, csrf_of
+from tests.ui_jobs import HOSTILE
+
+JOBS = "tests.jobs,tests.ui_jobs"
+PAGES = ["/ui/", "/ui/jobs/fast", "/ui/jobs/hourly", "/ui/locks", "/ui/outbox"]
+# Markup that must only ever appear escaped.
+RAW = "<script>alert("
+
+
+async def ui_app(start_app: StartApp, name: str = "app", **settings: Any) -> InProcess:
+    settings.setdefault("cron_read_token", READ_TOKEN)
+    settings.setdefault("ui_cookie_secure", False)  # httpx sends no Secure cookie over http
+    return await start_app(name, cron_jobs=JOBS, **settings)
+
+
+async def dead_email(db: asyncpg.Connection, recipient: str, error: str) -> int:
+    """A dead-lettered email, as the sender leaves one after its last attempt."""
+    email_id: int = await db.fetchval(
+        "INSERT INTO cronlock.email_outbox (job, sender, recipient, subject, body, status,"
+        " attempts, last_error) VALUES ('daily-digest', 'a@example.com', $1, 'Hi', 'body',"
+        " 'dead', 12, $2) RETURNING id",
+        recipient,
+        error,
+    )
+    return email_id
+
+
+# --- what is open, and the session check before routing ------------------------------------
+
+
+async def test_only_login_and_static_are_open(start_app: StartApp) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as anonymous:
+        http = anonymous.http
+        assert (await http.get("/ui/login")).status_code == 200
+        static = await http.get("/ui/static/ui.css")
+        assert static.status_code == 200
+        assert static.headers["content-security-policy"] == CSP
+        # Only files: a path that climbs out of the static folder is no page.
+        assert (await http.get("/ui/static/%2e%2e/jobs/fast")).status_code == 404
+        # Every other path, known or not, asks for a session first (404s reveal nothing).
+        for path in [*PAGES, "/ui/runs/1", "/ui/outbox/1", "/ui/no-such-page", "/ui"]:
+            r = await http.get(path)
+            assert (r.status_code, r.headers.get("location")) == (303, "/ui/login"), path
+        for path in ["/ui/jobs/fast/run", "/ui/outbox/requeue", "/ui/logout", "/ui/nope"]:
+            assert (await http.post(path)).status_code == 401, path
+
+
+async def test_pages_carry_the_security_headers(start_app: StartApp) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        for path in [*PAGES, "/ui/login"]:
+            r = await user.http.get(path)
+            assert r.status_code == 200, path
+            assert r.headers["content-security-policy"] == CSP
+            assert "unsafe-inline" not in CSP
+            assert "frame-ancestors 'none'" in CSP
+            assert r.headers["cache-control"] == "no-store"
+            assert r.headers["x-content-type-options"] == "nosniff"
+            # No inline script or style for the CSP to refuse.
+            assert "<script>" not in r.text
+            assert "style=" not in r.text
+            assert "<style" not in r.text
+
+
+async def test_the_bearer_api_is_unchanged_and_ignores_the_cookie(start_app: StartApp) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        cookie = user.http.cookies["cronlock_session"]
+        # The browser never sends it there (Path=/ui), and a forged one is worth nothing.
+        forged = {"Cookie": f"cronlock_session={cookie}"}
+        for method, path in [("POST", "/cron/fast"), ("GET", "/cron/jobs"), ("GET", "/metrics")]:
+            r = await user.http.request(method, path, headers=forged)
+            assert r.status_code == 401, path
+        r = await user.http.post("/cron/fast", headers=auth_headers())
+        assert r.status_code == 200
+
+
+async def test_without_the_dashboard_ui_paths_need_the_secret(start_app: StartApp) -> None:
+    app = await ui_app(start_app, ui_enabled=False)
+    async with User(app) as anonymous:
+        assert (await anonymous.http.get("/ui/login")).status_code == 401
+        assert (await anonymous.http.get("/ui/", headers=auth_headers())).status_code == 404
+
+
+# --- login, logout, rotation ---------------------------------------------------------------
+
+
+async def test_login_cookie_attributes(start_app: StartApp) -> None:
+    app = await ui_app(start_app, ui_cookie_secure=True)
+    async with User(app) as user:
+        # httpx keeps Secure cookies for https: the login form's cookie is sent by hand.
+        form = await user.http.get("/ui/login")
+        login_cookie = form.headers["set-cookie"].split(";")[0]
+        assert "Secure" in form.headers["set-cookie"]
+        r = await user.http.post(
+            "/ui/login",
+            data={"csrf": csrf_of(form.text), "token": TEST_SECRET},
+            headers={"Cookie": login_cookie},
+        )
+        assert r.status_code == 303
+        assert r.headers["location"] == "/ui/"
+        cookie = next(
+            v for v in r.headers.get_list("set-cookie") if v.startswith("cronlock_session=")
+        )
+        attributes = {a.strip() for a in cookie.split(";")[1:]}
+        assert {"Path=/ui", "HttpOnly", "SameSite=Strict", "Secure"} <= attributes
+
+
+@pytest.mark.parametrize(
+    ("token", "who"),
+    [(TEST_SECRET, "secret: can act"), (READ_TOKEN, "read token: view only")],
+)
+async def test_login_with_each_token(start_app: StartApp, token: str, who: str) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        assert (await user.login(token)).status_code == 303
+        page = await user.http.get("/ui/")
+        assert page.status_code == 200
+        assert who in page.text
+    # No secret in a page or in the log.
+    assert token not in page.text
+    assert token not in app.log()
+    assert f'"token": "{"secret" if token == TEST_SECRET else "read"}"' in app.log()
+
+
+async def test_a_wrong_token_or_no_login_csrf_is_refused(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        r = await user.login("not-the-secret-" + "x" * 30)
+        assert r.status_code == 401
+        assert "not one this service accepts" in r.text
+        assert "cronlock_session" not in r.headers.get("set-cookie", "")
+        # The login form's own CSRF token (double submit): a cross-site login is refused.
+        r = await user.http.post("/ui/login", data={"token": TEST_SECRET})
+        assert r.status_code == 403
+    assert await db.fetchval("SELECT count(*) FROM cronlock.ui_sessions") == 0
+
+
+async def test_logout_ends_the_session_on_every_instance(start_app: StartApp) -> None:
+    one = await ui_app(start_app, "one")
+    two = await ui_app(start_app, "two")
+    async with User(one) as user:
+        await user.login(TEST_SECRET)
+        cookie = {"Cookie": f"cronlock_session={user.http.cookies['cronlock_session']}"}
+        async with httpx.AsyncClient(transport=two.transport, base_url=two.url) as other:
+            assert (await other.get("/ui/", headers=cookie)).status_code == 200
+            r = await user.act("/ui/logout")
+            assert r.status_code == 303
+            assert r.headers["location"] == "/ui/login"
+            assert (await other.get("/ui/", headers=cookie)).status_code == 303
+        assert (await user.http.get("/ui/", headers=cookie)).status_code == 303
+
+
+async def test_rotating_a_token_ends_its_sessions(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    old = await ui_app(start_app, "old")
+    async with User(old) as user:
+        await user.login(TEST_SECRET)
+        cookie = {"Cookie": f"cronlock_session={user.http.cookies['cronlock_session']}"}
+    new_secret = "a-rotated-cron-secret-0123456789-abcdefghijklmn"
+    # During the rotation the previous secret is still accepted: its sessions live on.
+    during = await ui_app(
+        start_app, "during", cron_secret=new_secret, cron_secret_previous=TEST_SECRET
+    )
+    async with httpx.AsyncClient(transport=during.transport, base_url=during.url) as http:
+        assert (await http.get("/ui/", headers=cookie)).status_code == 200
+    after = await ui_app(start_app, "after", cron_secret=new_secret)
+    async with httpx.AsyncClient(transport=after.transport, base_url=after.url) as http:
+        assert (await http.get("/ui/", headers=cookie)).status_code == 303
+    assert await db.fetchval("SELECT count(*) FROM cronlock.ui_sessions") == 0
+
+
+# --- acting: CSRF, the read token, what is recorded ----------------------------------------
+
+
+async def test_a_form_without_its_csrf_token_is_refused(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        for data in [{}, {"csrf": "forged"}]:
+            r = await user.http.post("/ui/jobs/fast/run", data=data)
+            assert r.status_code == 403
+            assert "CSRF" in r.text
+            r = await user.http.post("/ui/logout", data=data)
+            assert r.status_code == 403
+    assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 0
+
+
+async def test_the_read_token_sees_but_cannot_act(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    app = await ui_app(start_app)
+    email_id = await dead_email(db, "alice@example.com", "550 no mailbox alice@example.com")
+    async with User(app) as reader:
+        await reader.login(READ_TOKEN)
+        jobs = await reader.http.get("/ui/")
+        assert "Run now" not in jobs.text
+        assert '/run"' not in jobs.text
+        outbox = await reader.http.get("/ui/outbox")
+        assert "Requeue" not in outbox.text
+        # Masked: personal data, in the recipient column and inside the provider's error.
+        assert "alice@example.com" not in outbox.text
+        assert "a•••@example.com" in outbox.text
+        email = await reader.http.get(f"/ui/outbox/{email_id}")
+        assert "alice@example.com" not in email.text
+        assert "a•••@example.com" in email.text
+        for path, fields in [("/ui/jobs/fast/run", {}), ("/ui/outbox/requeue", {"id": "all"})]:
+            r = await reader.act(path, **fields)
+            assert r.status_code == 403
+            assert "read token" in r.text
+    assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 0
+    assert await db.fetchval("SELECT status FROM cronlock.email_outbox") == "dead"
+    # An address in a run's params, result or error is masked as well.
+    async with User(app) as admin:
+        await admin.login(TEST_SECRET)
+        r = await admin.act("/ui/jobs/note/run", params='{"text": "to bob@example.org"}')
+        run_page = r.headers["location"]
+        assert "bob@example.org" in (await admin.http.get(run_page)).text
+    async with User(app) as reader:
+        await reader.login(READ_TOKEN)
+        page = (await reader.http.get(run_page)).text
+        assert "bob@example.org" not in page
+        assert "b•••@example.org" in page
+    async with User(app) as admin:
+        await admin.login(TEST_SECRET)
+        assert "alice@example.com" in (await admin.http.get("/ui/outbox")).text
+
+
+async def test_run_now_is_recorded_with_source_ui(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        r = await user.act("/ui/jobs/note/run", params='{"text": "hello"}')
+        assert r.status_code == 303
+        assert r.headers["location"].startswith("/ui/runs/")
+        run = await db.fetchrow("SELECT * FROM cronlock.runs")
+        assert run is not None
+        assert (run["source"], run["trigger"]) == ("ui", "manual")
+        page = await user.http.get(r.headers["location"])
+        assert "<dd>ui</dd>" in page.text
+        bad = await user.act("/ui/jobs/note/run", params="{not json")
+        assert bad.status_code == 422
+        assert "Invalid params" in bad.text
+    action = await db.fetchrow("SELECT kind, action, target, detail FROM cronlock.ui_actions")
+    assert action is not None
+    assert (action["kind"], action["action"], action["target"]) == ("secret", "run", "note")
+    assert json.loads(action["detail"])["run_id"] == run["id"]
+    assert '"action": "run"' in app.log()
+    assert '"token": "secret"' in app.log()
+
+
+async def test_requeue_one_and_all(start_app: StartApp, db: asyncpg.Connection) -> None:
+    app = await ui_app(start_app)
+    first = await dead_email(db, "a@example.com", "422 refused")
+    await dead_email(db, "b@example.com", "422 refused")
+    await dead_email(db, "c@example.com", "422 refused")
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        r = await user.act("/ui/outbox/requeue", id=str(first))
+        assert r.headers["location"] == "/ui/outbox?notice=requeued"
+        status = "SELECT status FROM cronlock.email_outbox WHERE id = $1"
+        assert await db.fetchval(status, first) == "pending"
+        assert (
+            await db.fetchval("SELECT count(*) FROM cronlock.email_outbox WHERE status = 'dead'")
+            == 2
+        )
+        await user.act("/ui/outbox/requeue", id="all")
+        assert (
+            await db.fetchval("SELECT count(*) FROM cronlock.email_outbox WHERE status = 'dead'")
+            == 0
+        )
+        r = await user.act("/ui/outbox/requeue", id="all")
+        assert r.headers["location"] == "/ui/outbox?notice=nothing-dead"
+        assert (await user.act("/ui/outbox/requeue", id="x")).status_code == 422
+    actions = await db.fetch("SELECT target, detail FROM cronlock.ui_actions ORDER BY id")
+    assert [a["target"] for a in actions] == [str(first), "all", "all"]
+    assert len(json.loads(actions[1]["detail"])["ids"]) == 2
+
+
+async def test_cancel_when_not_running(start_app: StartApp) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        r = await user.act("/ui/jobs/fast/cancel")
+        assert r.headers["location"] == "/ui/jobs/fast?notice=not-running"
+
+
+@pytest.mark.skipif(features.PAUSE, reason="this version pauses jobs")
+async def test_pause_renders_nothing_while_the_feature_is_absent(start_app: StartApp) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        page = await user.http.get("/ui/jobs/fast")
+        assert "Pause" not in page.text
+        assert "failing, retry" not in page.text
+        r = await user.act("/ui/jobs/fast/pause", note="x")
+        assert r.status_code == 404
+
+
+@pytest.mark.skipif(not features.PAUSE, reason="pause/resume is not in this version yet")
+async def test_pause_and_resume_are_recorded(
+    start_app: StartApp, db: asyncpg.Connection, client: httpx.AsyncClient
+) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        r = await user.act("/ui/jobs/fast/pause", note=f"deploy {HOSTILE}", until="")
+        assert r.headers["location"] == "/ui/jobs/fast?notice=paused"
+        page = (await user.http.get("/ui/")).text
+        assert "paused by ui (secret)" in page
+        assert RAW not in page
+        skipped = await client.post(f"{app.url}/cron/fast", headers=auth_headers())
+        assert skipped.json()["reason"] == "paused"
+        past = await user.act("/ui/jobs/fast/pause", until="2001-01-01T00:00:00+00:00")
+        assert past.status_code == 422
+        r = await user.act("/ui/jobs/fast/resume")
+        assert r.headers["location"] == "/ui/jobs/fast?notice=resumed"
+        ran = await client.post(f"{app.url}/cron/fast", headers=auth_headers())
+        assert "run_id" in ran.json()
+    actions = await db.fetch("SELECT action, detail FROM cronlock.ui_actions ORDER BY id")
+    assert [a["action"] for a in actions] == ["pause", "resume"]
+    assert HOSTILE in json.loads(actions[0]["detail"])["note"]
+
+
+# --- escaping ------------------------------------------------------------------------------
+
+
+async def test_everything_rendered_is_escaped(
+    start_app: StartApp, db: asyncpg.Connection, client: httpx.AsyncClient
+) -> None:
+    app = await ui_app(start_app)
+    email_id = await dead_email(db, f"{HOSTILE}@example.com", f"provider said {HOSTILE}")
+    # A job's error, and params, with markup: triggered over the API as a scheduler would.
+    r = await client.post(
+        f"{app.url}/cron/hostile-error", headers=auth_headers(), json={"text": HOSTILE}
+    )
+    assert r.status_code == 500
+    run_id = r.json()["run_id"]
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        for path in [
+            *PAGES,
+            "/ui/jobs/hostile-error",
+            f"/ui/runs/{run_id}",
+            f"/ui/outbox/{email_id}",
+        ]:
+            page = await user.http.get(path)
+            assert page.status_code == 200, path
+            assert RAW not in page.text, path
+        run = (await user.http.get(f"/ui/runs/{run_id}")).text
+        assert "&lt;script&gt;alert(" in run  # the error and the params, shown escaped
+        outbox = (await user.http.get("/ui/outbox")).text
+        assert outbox.count("&lt;script&gt;alert(") >= 2  # recipient and provider error
+
+
+async def test_a_lease_run_shows_its_holder_token_attempts_and_progress(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    app = await ui_app(start_app)
+    first = await db.fetchval(
+        "INSERT INTO cronlock.runs (job, status, trigger, source, instance, started_at,"
+        " finished_at, error) VALUES ('fast', 'abandoned', 'manual', 'http', 'i1', now(),"
+        " now(), 'lease expired') RETURNING id"
+    )
+    run_id = await db.fetchval(
+        "INSERT INTO cronlock.runs (job, status, trigger, source, instance, started_at, attempt,"
+        " retry_of, lease_token, lease_seconds, lease_expires_at, deadline_at, checkpoint,"
+        " progress, steps) VALUES ('fast', 'running', 'manual', 'http', 'i2', now(), 2, $1,"
+        " 41, 30, now() + interval '30 seconds', now() + interval '1 hour',"
+        " '{\"after_id\": 1200}', $2::jsonb, 7) RETURNING id",
+        first,
+        json.dumps({"done": 1200, "of": HOSTILE}),
+    )
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        page = (await user.http.get(f"/ui/runs/{run_id}")).text
+    assert "<h2>Lease</h2>" in page
+    assert "<dt>Token</dt><dd>41</dd>" in page
+    assert "<dt>Holder</dt><dd>i2</dd>" in page
+    assert f'continues <a href="/ui/runs/{first}">run {first}</a>' in page
+    assert "&#34;after_id&#34;: 1200" in page
+    assert "<dt>Steps committed</dt><dd>7</dd>" in page
+    assert RAW not in page
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [
+        ("/ui/jobs/no-such-job", 404),
+        ("/ui/runs/999999", 404),
+        ("/ui/runs/abc", 422),
+        ("/ui/runs/99999999999999999999999", 422),
+        ("/ui/outbox/999999", 404),
+        ("/ui/jobs/fast?status=bogus", 422),
+        ("/ui/jobs/fast?days=3", 422),
+        ("/ui/jobs/fast?before=-1", 422),
+    ],
+)
+async def test_bad_input_is_a_page_not_a_trace(start_app: StartApp, path: str, status: int) -> None:
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        r = await user.http.get(path)
+        assert r.status_code == status
+        assert r.headers["content-type"].startswith("text/html")
+        assert "Traceback" not in r.text
+
+
+async def test_the_job_page_filters_its_runs(
+    start_app: StartApp, client: httpx.AsyncClient
+) -> None:
+    app = await ui_app(start_app)
+    for path in ["/cron/fast", "/cron/fast?force=true", "/cron/fails"]:
+        await client.post(app.url + path, headers=auth_headers())
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        every = (await user.http.get("/ui/jobs/fast")).text
+        assert every.count('data-run="') == 2
+        only = (await user.http.get("/ui/jobs/fast?status=failed")).text
+        assert only.count('data-run="') == 0
+        assert "No runs." in only
+        assert "<svg" in every
+        assert 'class="mark status-succeeded"' in every
+
+
+# --- the parts without HTTP ------------------------------------------------------------------
+
+
+def _run(
+    run_id: int, started: datetime, slot: datetime | None, status: str = "succeeded"
+) -> RunView:
+    return RunView(
+        id=run_id,
+        job="hourly",
+        key=None,
+        slot=slot,
+        status=status,
+        trigger="scheduled",
+        source="http",
+        instance="i1",
+        started_at=started,
+        finished_at=started + timedelta(seconds=2),
+        duration_ms=2000.0,
+        params=None,
+        result=1,
+        error=None,
+        running=False,
+        attempt=1,
+        retry_of=None,
+        cancel_requested_at=None,
+        holder=None,
+        token=None,
+        lease_expires_at=None,
+        checkpoint=None,
+        progress=None,
+        steps=None,
+    )
+
+
+def test_timeline_marks_runs_and_missed_slots() -> None:
+    job = Job(name="hourly", func=lambda ctx: None, schedule=Schedule.parse("0 * * * *"))  # type: ignore[arg-type, return-value]
+    now = datetime(2026, 12, 3, 12, 30, tzinfo=UTC)
+    slots = [now.replace(minute=0) - timedelta(hours=h) for h in range(24)]
+    # Every hour ran but three; one of those failed (a run, not a gap).
+    runs = [_run(i, s, s) for i, s in enumerate(slots) if i not in (3, 4, 5)]
+    runs.append(_run(99, slots[5], slots[5], "failed"))
+    line = timeline.build(job, runs, now, days=1)
+    assert len(line.marks) == 22
+    assert sum(1 for m in line.marks if m.status == "failed") == 1
+    assert line.missed == 2
+    assert len(line.slots) == 24
+    missed = [t for t in line.slots if t.missed]
+    assert all(0 <= t.x <= timeline.WIDTH for t in line.slots)
+    assert {t.title for t in missed} == {
+        f"slot {slots[h].strftime('%Y-%m-%d %H:%M')}: missed" for h in (3, 4)
+    }
+    every_minute = Job(name="m", func=lambda ctx: None, schedule=Schedule.parse("* * * * *"))  # type: ignore[arg-type, return-value]
+    assert not timeline.build(every_minute, [], now, days=1).slots_drawn
+
+
+@pytest.mark.parametrize(
+    ("expr", "said"),
+    [
+        ("* * * * *", "every minute"),
+        ("*/5 * * * *", "every 5 minutes"),
+        ("15 * * * *", "every hour at minute 15"),
+        ("0 7 * * *", "every day at 07:00"),
+        ("0 7 * * 1-5", "at 07:00, Monday to Friday"),
+        ("30 6 1 * *", "at 06:30 on day 1 of every month"),
+        ("0 0 1 1 *", "cron 0 0 1 1 *"),
+        (None, "no schedule (triggered on demand)"),
+    ],
+)
+def test_schedules_in_words(expr: str | None, said: str) -> None:
+    assert words.schedule(expr) == said
+
+
+def test_masking() -> None:
+    assert words.mask("alice@example.com") == "a•••@example.com"
+    assert words.mask("550 <bob.smith@mail.example.org> unknown") == (
+        "550 <b•••@mail.example.org> unknown"
+    )
+
+
+def test_paused_and_failing_badges_render_from_the_views_fields() -> None:
+    """What the "on its own" feature adds to a job's view (`paused`, `retry`) becomes its
+    badges: the adapter and the template, without that feature's tables."""
+    from types import SimpleNamespace
+
+    from app.ui.pages import templates
+
+    until = datetime(2026, 12, 4, 8, 0, tzinfo=UTC)
+    view = SimpleNamespace(
+        overdue=False,
+        running=False,
+        running_keys=[],
+        paused=SimpleNamespace(by="ui (secret)", at=until, note=HOSTILE, until=until),
+        retry=SimpleNamespace(retry=2, of=3),
+    )
+    failing = features.failing(view)  # type: ignore[arg-type]
+    assert failing == features.Failing(retry=2, of=3)
+    row = {"view": view, "failing": failing, "paused": features.paused(view)}  # type: ignore[arg-type]
+    html = templates.get_template("_badges.html").render(row=row, root="")
+    assert "failing, retry 2 of 3" in html
+    assert "paused by ui (secret) until 2026-12-04 08:00:00 UTC: &lt;script&gt;" in html
+    assert RAW not in html
+    assert ">ok<" not in html
+    plain = SimpleNamespace(overdue=False, running=False, running_keys=[])
+    assert features.failing(plain) is None  # type: ignore[arg-type]
+    assert features.paused(plain) is None  # type: ignore[arg-type]
+
+
+async def test_the_less_common_shapes_render(
+    start_app: StartApp, db: asyncpg.Connection, client: httpx.AsyncClient
+) -> None:
+    """A keyed job (its key filter, its run with a key), a run with a cancel request, an email
+    waiting in a batch: every branch of the templates renders (they refuse unknown fields)."""
+    app = await ui_app(start_app)
+    r = await client.post(f"{app.url}/cron/keyed", headers=auth_headers(), json={"customer_id": 7})
+    run_id = r.json()["run_id"]
+    await db.execute(
+        "UPDATE cronlock.runs SET cancel_requested_at = now(), cancel_requested_by = 'cli'"
+        " WHERE id = $1",
+        run_id,
+    )
+    batch = await db.fetchval(
+        "INSERT INTO cronlock.email_batch (idempotency_key, body, size, attempts, last_error)"
+        " VALUES ('b-1', '\\x00', 2, 1, 'timeout') RETURNING id"
+    )
+    email_id = await db.fetchval(
+        "INSERT INTO cronlock.email_outbox (job, sender, recipient, subject, body, batch_id,"
+        " next_attempt_at) VALUES ('daily-digest', 'a@example.com', 'c@example.com', 'Hi',"
+        " 'body', $1, 'infinity') RETURNING id",
+        batch,
+    )
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        job = (await user.http.get("/ui/jobs/keyed?key=7")).text
+        assert 'id="f-key"' in job
+        assert job.count('data-run="') == 1
+        assert "with its key <code>customer_id</code>" in job
+        run = (await user.http.get(f"/ui/runs/{run_id}")).text
+        assert "<dt>Key</dt><dd>7</dd>" in run
+        assert "<dt>Cancel requested</dt>" in run
+        email = (await user.http.get(f"/ui/outbox/{email_id}")).text
+        assert "with its batch" in email
+        assert f"{batch}: pending, 1 attempts, last error: timeout" in email
+
+
+async def test_a_lease_job_page_says_its_lease(start_app: StartApp) -> None:
+    from tests.lease_jobs import LEASE_SETTINGS
+
+    app = await start_app(cron_jobs="tests.lease_jobs", ui_cookie_secure=False, **LEASE_SETTINGS)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        page = await user.http.get("/ui/jobs/lease-items")
+        assert page.status_code == 200
+        assert "<dt>Lease</dt>" in page.text
+        assert (await user.http.get("/ui/")).status_code == 200
