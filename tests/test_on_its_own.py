@@ -99,13 +99,13 @@ async def test_three_schedulers_kill_two_then_all_down_then_up(
     t1: datetime = await db.fetchval("SELECT now()")
     i3.kill()
     down_from: datetime = await db.fetchval("SELECT now()")
-    await asyncio.sleep(3)  # all three down: these slots are missed
+    await asyncio.sleep(4)  # all three down: these slots are missed
     i4 = start_instance("i4", env=ON_ITS_OWN)
     up_at: datetime = await db.fetchval("SELECT now()")
 
     covered = ticks(whole_second(t0) + SECOND, whole_second(t1) - SECOND)
     outage = ticks(whole_second(down_from) + SECOND, whole_second(up_at) - 2 * SECOND)
-    assert len(outage) >= 3
+    assert len(outage) >= 2, (down_from, up_at)
 
     async def outage_filled() -> bool:
         done = {r["slot"] for r in await successes(db, "tick")}
