@@ -553,6 +553,7 @@ async def test_migrate_sql_is_what_migrate_would_do(
         "would apply: cronlock 0005_keys",
         "would apply: cronlock 0006_batch_fencing",
         "would apply: cronlock 0007_attempts_and_leases",
+        "would apply: cronlock 0020_outbox_keys",
         "would apply: app.demo.digest 0001_users",
     ]
     assert await fresh.fetchval("SELECT to_regnamespace('cronlock')") is None  # changed nothing
