@@ -50,8 +50,10 @@ def interpreter() -> str:
     PostgreSQL must): this one, unless it lives where that user cannot reach (a pyenv under
     /root), then the system's of the same version, which reads our packages (PYTHONPATH)."""
     system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
-    if os.geteuid() == 0 and not str(Path(sys.executable).resolve()).startswith("/usr/") and (
-        system.is_file()
+    if (
+        os.geteuid() == 0
+        and not str(Path(sys.executable).resolve()).startswith("/usr/")
+        and (system.is_file())
     ):
         return str(system)
     return sys.executable
@@ -97,7 +99,10 @@ class Etcd:
         args += ["--heartbeat-interval", "100", "--election-timeout", "1000"]
         with (self.dir / "etcd.log").open("ab") as log:
             self._process = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         deadline = time.monotonic() + 20
@@ -280,9 +285,7 @@ class PatroniCluster:
     def __init__(self, root: Path, parameters: dict[str, str] | None = None) -> None:
         self.root = root
         self.etcd = Etcd(root / "etcd")
-        self.nodes = [
-            Node(f"n{i}", root / f"n{i}", self.etcd, parameters or {}) for i in (1, 2)
-        ]
+        self.nodes = [Node(f"n{i}", root / f"n{i}", self.etcd, parameters or {}) for i in (1, 2)]
 
     def start(self) -> None:
         self.etcd.start()
@@ -368,8 +371,7 @@ class PatroniCluster:
         assert answer.status_code == 200, answer.text
         self.wait(
             lambda ms: any(
-                m.name == candidate.name and m.role == "leader" and m.state == "running"
-                for m in ms
+                m.name == candidate.name and m.role == "leader" and m.state == "running" for m in ms
             ),
             60,
             f"{candidate.name} leading",
@@ -405,5 +407,7 @@ class PatroniCluster:
     def url(self, dbname: str, **query: str) -> str:
         """A multi-host URL listing both nodes, following the primary (read-write)."""
         hosts = ",".join(f"127.0.0.1:{n.pg_port}" for n in self.nodes)
-        params = "&".join(f"{k}={v}" for k, v in {"target_session_attrs": "read-write", **query}.items())
+        params = "&".join(
+            f"{k}={v}" for k, v in {"target_session_attrs": "read-write", **query}.items()
+        )
         return f"postgresql://{SUPERUSER}@{hosts}/{dbname}?{params}"
