@@ -4,6 +4,7 @@ real signals (SIGSTOP: a server that accepts TCP and never answers)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -23,7 +24,9 @@ from app.schema import migrate, migration_sets
 from app.settings import Settings
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
-from tests.support.postgres import ScratchPostgres, create_database, start_standby
+from tests.support.delivery import API_KEY, until
+from tests.support.postgres import ScratchPostgres, children_of, create_database, start_standby
+from tests.support.provider import Provider
 from tests.util import AUTH
 
 DBNAME = "failover"
@@ -53,18 +56,28 @@ def root() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+async def new_primary(path: Path) -> ScratchPostgres:
+    """A primary of its own (tests here promote its standbys or kill it), with a migrated
+    database holding the demo's users."""
+    server = ScratchPostgres(path)
+    server.start()
+    await create_database(server.dsn(), DBNAME)
+    conn = await asyncpg.connect(server.dsn(DBNAME))
+    try:
+        await migrate(conn, "cronlock", migration_sets(["app.demo.digest"]))
+        await conn.execute(
+            "INSERT INTO cronlock_demo.users (email) "
+            "SELECT 'user' || i || '@example.com' FROM generate_series(1, 5) AS i"
+        )
+    finally:
+        await conn.close()
+    return server
+
+
 @pytest.fixture(scope="module")
 async def primary(root: Path) -> AsyncIterator[ScratchPostgres]:
-    """A primary of its own (tests here promote its standbys), with a migrated database."""
-    server = ScratchPostgres(root / "primary")
-    server.start()
+    server = await new_primary(root / "primary")
     try:
-        await create_database(server.dsn(), DBNAME)
-        conn = await asyncpg.connect(server.dsn(DBNAME))
-        try:
-            await migrate(conn, "cronlock", migration_sets([]))
-        finally:
-            await conn.close()
         yield server
     finally:
         server.stop("immediate")
@@ -189,3 +202,96 @@ async def test_stale_primary_is_refused(
     # What the guard cannot catch: an instance that never saw timeline 2 runs there.
     fresh = await start_app("never-saw", database_url=url, db_connect_timeout=1.0)
     assert (await trigger(client, fresh.url)).status_code == 200
+
+
+async def connect_retrying(dsn: str) -> asyncpg.Connection:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return await asyncpg.connect(dsn)
+        except (OSError, asyncpg.PostgresError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+def walreceiver(standby: ScratchPostgres) -> int:
+    pid = standby.postmaster_pid()
+    assert pid is not None
+    for child in children_of(pid):
+        with contextlib.suppress(OSError):
+            if b"walreceiver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    raise AssertionError("no walreceiver")
+
+
+@pytest.mark.slow
+async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_their_keys(
+    root: Path, start_app: StartApp, client: httpx.AsyncClient, provider: Provider
+) -> None:
+    """Asynchronous replication, a standby behind (its walreceiver frozen): the digest answered
+    200 and its emails delivered on the old primary, which then dies. The promoted standby never
+    had that run: the slot runs again there, and its emails carry the same idempotency keys, so
+    the provider (which honours keys) delivers each once."""
+    old = await new_primary(root / f"lossy-{time.monotonic_ns()}")
+    new = start_standby(old, root / f"lossy-standby-{time.monotonic_ns()}")
+    try:
+        url = multi_host(old, new)
+        app = await start_app(
+            "lossy",
+            database_url=url,
+            db_connect_timeout=1.0,
+            cron_jobs="app.demo.digest",
+            outbox_enabled=True,
+            email_backend="http",
+            email_api_url=provider.url,
+            email_api_key=API_KEY,
+            outbox_rate_limit=0,
+            outbox_poll_interval=0.1,
+            outbox_shutdown_timeout=1.0,
+        )
+        receiver = walreceiver(new)
+        os.kill(receiver, signal.SIGSTOP)
+        first = await trigger(client, app.url, "daily-digest")
+        assert first.status_code == 200, first.text
+        assert first.json()["processed"] == 5
+        # Polled, not provider.wait: the app's sender runs on this event loop.
+        await until(lambda: len(provider.delivered()) == 5, 10, "the first digest's emails")
+        keys = set(provider.delivered())
+        old.kill()
+        # Killed, not resumed: the WAL waiting in its socket's buffer must never be read.
+        # The standby's postmaster restarts its processes (recovery from its own WAL).
+        os.kill(receiver, signal.SIGKILL)
+        new.wait_ready()
+        promoted = await connect_retrying(new.dsn(DBNAME))
+        try:
+            assert await promoted.fetchval("SELECT pg_promote(wait => true)")
+            # The run answered 200 is not there: lost with the old primary.
+            assert await promoted.fetchval("SELECT count(*) FROM cronlock.runs") == 0
+        finally:
+            await promoted.close()
+        again = await trigger(client, app.url, "daily-digest")
+        for _ in range(10):
+            if again.status_code == 200:
+                break
+            again = await trigger(client, app.url, "daily-digest")
+        assert again.status_code == 200, again.text
+        assert again.json()["processed"] == 5  # the slot ran again
+        assert again.json()["slot"] == first.json()["slot"]
+        conn = await asyncpg.connect(new.dsn(DBNAME))
+        try:
+            requeued = {
+                r["idempotency_key"]
+                for r in await conn.fetch("SELECT idempotency_key FROM cronlock.email_outbox")
+            }
+        finally:
+            await conn.close()
+        assert requeued == keys
+        await until(
+            lambda: all(len(provider.for_key(k)) >= 2 for k in keys), 10, "the re-sent emails"
+        )
+        # Sent twice, delivered once each.
+        assert provider.delivered() == {key: 1 for key in keys}
+    finally:
+        new.stop("immediate")
+        old.stop("immediate")
