@@ -13,31 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.cluster import Cluster, Instance
-from tests.support.delivery import API_KEY
 from tests.support.postgres import ScratchPostgres
 from tests.support.provider import Provider
-from tests.support.soak import soak
+from tests.support.soak import soak, soak_env
 
 SEED = 16
 SECONDS = 45.0
-
-
-def soak_env(provider: Provider) -> dict[str, str]:
-    return {
-        "CRON_JOBS": "tests.soak_jobs,app.demo.digest",
-        "OUTBOX_ENABLED": "true",
-        "EMAIL_BACKEND": "http",
-        "EMAIL_API_URL": provider.url,
-        "EMAIL_API_KEY": API_KEY,
-        "OUTBOX_RATE_LIMIT": "0",
-        "OUTBOX_POLL_INTERVAL": "0.2",
-        "OUTBOX_LEASE": "3",
-        "OUTBOX_SEND_TIMEOUT": "2",
-        "OUTBOX_BACKOFF_BASE": "0.2",
-        "OUTBOX_BACKOFF_MAX": "2",
-        # Faults for a minute must not exhaust a row's attempts.
-        "OUTBOX_MAX_ATTEMPTS": "100",
-    }
 
 
 @pytest.fixture(scope="module")

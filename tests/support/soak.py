@@ -31,6 +31,7 @@ import httpx
 
 from tests.soak_jobs import EFFECTS_SQL
 from tests.support.cluster import Cluster
+from tests.support.delivery import API_KEY
 from tests.support.faults import GRACEFUL_SHUTDOWN_TIMEOUT, leftovers, wait_ready
 from tests.support.history import History, fire, minute_slots, settle_slots
 from tests.support.postgres import ScratchPostgres
@@ -69,6 +70,25 @@ FAULTS = (
     "freeze-pgbouncer",
 )
 USERS = 10
+
+
+def soak_env(provider: Provider) -> dict[str, str]:
+    """What the soak's instances run with (on top of tests.support.faults.CLUSTER_ENV)."""
+    return {
+        "CRON_JOBS": "tests.soak_jobs,app.demo.digest",
+        "OUTBOX_ENABLED": "true",
+        "EMAIL_BACKEND": "http",
+        "EMAIL_API_URL": provider.url,
+        "EMAIL_API_KEY": API_KEY,
+        "OUTBOX_RATE_LIMIT": "0",
+        "OUTBOX_POLL_INTERVAL": "0.2",
+        "OUTBOX_LEASE": "3",
+        "OUTBOX_SEND_TIMEOUT": "2",
+        "OUTBOX_BACKOFF_BASE": "0.2",
+        "OUTBOX_BACKOFF_MAX": "2",
+        # Faults for a minute must not exhaust a row's attempts.
+        "OUTBOX_MAX_ATTEMPTS": "100",
+    }
 
 
 @dataclass
