@@ -16,17 +16,18 @@ import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
 import pytest
 
 from app.schema import migrate, migration_sets
-from tests.support.cluster import Instance, Nginx
+from tests.support.cluster import Instance, Nginx, PgBouncer
 from tests.support.delivery import API_KEY
 from tests.support.history import History, fire, leftovers, minute_slots, settle_slots, violations
 from tests.support.instances import Instances
-from tests.support.patroni import PatroniCluster
+from tests.support.patroni import HAProxy, PatroniCluster
 from tests.support.postgres import create_database, unique_name
 from tests.support.provider import Provider
 from tests.util import AUTH
@@ -93,6 +94,42 @@ async def ha_instances(
         yield started, start_nginx([i.address for i in started])
     finally:
         instances.stop()
+
+
+@pytest.fixture
+async def pooled_instances(
+    patroni_cluster: PatroniCluster,
+    ha_url: str,
+    tmp_path: Path,
+    provider: Provider,
+    start_nginx: Callable[..., Nginx],
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[list[Instance], Nginx]]:
+    """The pooled shape (docs/deploying.md): instances -> PgBouncer -> HAProxy, which sends
+    connections only to the node whose Patroni answers 200 on /primary."""
+    from tests.conftest import INSTANCES_KEY
+
+    haproxy = HAProxy(patroni_cluster.nodes, dir=tmp_path / "haproxy")
+    haproxy.start()
+    bouncer = PgBouncer("127.0.0.1", haproxy.port, dir=tmp_path / "pgbouncer", default_pool_size=30)
+    bouncer.start()
+    dbname = urlsplit(ha_url).path.lstrip("/")
+    env = {
+        **ENV,
+        "EMAIL_API_URL": provider.url,
+        "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{bouncer.port}/{dbname}",
+        # LISTEN needs a session of its own: the multi-host URL, not PgBouncer.
+        "DATABASE_DIRECT_URL": ha_url,
+    }
+    reported = request.node.stash.setdefault(INSTANCES_KEY, [])
+    instances = Instances(env["DATABASE_URL"], tmp_path / "instances", reported)
+    try:
+        started = instances.start_many(["pooled1", "pooled2"], env)
+        yield started, start_nginx([i.address for i in started])
+    finally:
+        instances.stop()
+        bouncer.stop()
+        haproxy.stop()
 
 
 async def primary_conn(url: str) -> asyncpg.Connection:
@@ -233,6 +270,23 @@ async def test_switchover_under_load(
     )
     assert patroni_cluster.timeline() == before + 1
     print(f"switchover: {took:.1f} s; answers {dict(history.by_status())}")
+    await check_after(ha_url, history, instances, nginx, provider)
+
+
+async def test_switchover_through_haproxy_and_pgbouncer(
+    patroni_cluster: PatroniCluster,
+    ha_url: str,
+    pooled_instances: tuple[list[Instance], Nginx],
+    provider: Provider,
+) -> None:
+    """The pooled shape follows a switchover too: HAProxy's check on Patroni's /primary moves
+    PgBouncer's server connections to the new leader."""
+    instances, nginx = pooled_instances
+    patroni_cluster.wait_healthy()
+    history, took = await failover_under_load(
+        patroni_cluster, ha_url, instances, nginx, provider, patroni_cluster.switchover
+    )
+    print(f"switchover (HAProxy, PgBouncer): {took:.1f} s; answers {dict(history.by_status())}")
     await check_after(ha_url, history, instances, nginx, provider)
 
 

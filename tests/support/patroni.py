@@ -15,6 +15,8 @@ import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -37,6 +39,7 @@ from app.embedded import (
     tail,
     wait_gone,
 )
+from tests.support.cluster import Service
 from tests.support.postgres import children_of
 
 SCOPE = "cronlock-test"
@@ -411,3 +414,59 @@ class PatroniCluster:
             f"{k}={v}" for k, v in {"target_session_attrs": "read-write", **query}.items()
         )
         return f"postgresql://{SUPERUSER}@{hosts}/{dbname}?{params}"
+
+
+class HAProxy(Service):
+    """HAProxy in front of the Patroni nodes, sending connections only to the one whose
+    Patroni answers 200 on `GET /primary`: docs/deploying.md's pooled shape, where PgBouncer
+    (which has no target_session_attrs) points at this port."""
+
+    name = "haproxy"
+
+    def __init__(self, nodes: list[Node], *, dir: Path) -> None:
+        super().__init__(dir, None)
+        self.nodes = nodes
+
+    def configure(self) -> None:
+        servers = "\n".join(
+            f"    server {n.name} 127.0.0.1:{n.pg_port} check port {n.api_port}" for n in self.nodes
+        )
+        config = f"""\
+global
+    maxconn 1000
+
+defaults
+    mode tcp
+    timeout connect 2s
+    timeout client 30m
+    timeout server 30m
+    timeout check 2s
+
+listen postgres_primary
+    bind 127.0.0.1:{self.port}
+    option httpchk GET /primary
+    http-check expect status 200
+    default-server inter 1s fall 2 rise 2 on-marked-down shutdown-sessions
+{servers}
+"""
+        path = self.dir / "haproxy.cfg"
+        path.write_text(config)
+        chown_to_service(path)
+
+    def command(self) -> list[str]:
+        # -db: in the foreground, no daemon; the configuration is relative to self.dir.
+        return ["haproxy", "-db", "-f", "haproxy.cfg"]
+
+    def is_ready(self) -> bool:
+        # Listening is not enough: a leader must be marked up behind it.
+        if not super().is_ready():
+            return False
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.settimeout(1)
+                # A PostgreSQL SSLRequest: a server answers one byte ('N' or 'S'); HAProxy
+                # with no server up closes the connection instead.
+                sock.sendall(struct.pack("!ii", 8, 80877103))
+                return sock.recv(1) in (b"N", b"S")
+        except OSError:
+            return False
