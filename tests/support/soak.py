@@ -21,7 +21,7 @@ import itertools
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -263,6 +263,24 @@ async def soak(
     return report
 
 
+def overlaps(effects: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Two runs of one job (or key) that held the lock at once: each effect's span [started,
+    ended] lies inside its run's lock span, so two spans that overlap mean two holders."""
+    found: list[str] = []
+    spans: dict[tuple[str, str | None], list[Mapping[str, Any]]] = {}
+    for e in effects:
+        spans.setdefault((e["job"], e["key"]), []).append(e)
+    for (job, key), items in spans.items():
+        items.sort(key=lambda e: e["started"])
+        for before, after in itertools.pairwise(items):
+            if after["started"] < before["ended"]:
+                found.append(
+                    f"{job}/{key}: runs {before['run_id']} ({before['instance']}) and "
+                    f"{after['run_id']} ({after['instance']}) overlap"
+                )
+    return found
+
+
 async def check(
     cluster: Cluster, dsn: str, history: History, provider: Provider, report: Report
 ) -> list[str]:
@@ -330,19 +348,7 @@ async def check(
                 found.append(f"{a.job}: answered {a.status} {a.body}")
             if a.status in {500, 504} and "run_id" not in a.body:
                 found.append(f"{a.job}: answered {a.status} without a run id: {a.body}")
-        # Never two overlapping runs of one job (or key): each effect's span lies inside its
-        # run's lock span.
-        spans: dict[tuple[str, str | None], list[asyncpg.Record]] = {}
-        for e in effects:
-            spans.setdefault((e["job"], e["key"]), []).append(e)
-        for (job, key), items in spans.items():
-            items.sort(key=lambda e: e["started"])
-            for before, after in itertools.pairwise(items):
-                if after["started"] < before["ended"]:
-                    found.append(
-                        f"{job}/{key}: runs {before['run_id']} ({before['instance']}) and "
-                        f"{after['run_id']} ({after['instance']}) overlap"
-                    )
+        found += overlaps(dict(e) for e in effects)
         # Nothing left behind once faults stop.
         deadline = time.monotonic() + 15 + GRACEFUL_SHUTDOWN_TIMEOUT
         while left := await leftovers(db, cluster):
