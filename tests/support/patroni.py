@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,29 @@ def available() -> str | None:
         return "patroni is not installed (pip install -e '.[dev]')"
     if find_bindir() is None:
         return "no PostgreSQL server binaries"
+    # Patroni runs as the service user: it must reach an interpreter and our packages.
+    probe = subprocess.run(
+        [interpreter(), "-c", "import patroni, psycopg, yaml"],
+        env=patroni_env(Path(tempfile.gettempdir())),
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        **as_service_user(),
+    )
+    if probe.returncode != 0:
+        return f"Patroni cannot run as the service user here: {probe.stderr.strip()[-300:]}"
     return None
+
+
+def patroni_env(home: Path) -> dict[str, str]:
+    return {
+        # Not measured (it never imports `app`), and PYTHONPATH finds our packages.
+        **{k: v for k, v in os.environ.items() if not k.startswith("COVERAGE")},
+        "PYTHONPATH": site_packages(),
+        "HOME": str(home),
+    }
 
 
 class Etcd:
@@ -230,12 +253,7 @@ class Node:
                 stderr=subprocess.STDOUT,
                 cwd=self.dir,
                 start_new_session=True,
-                env={
-                    # Not measured (it never imports `app`), and PYTHONPATH finds our packages.
-                    **{k: v for k, v in os.environ.items() if not k.startswith("COVERAGE")},
-                    "PYTHONPATH": site_packages(),
-                    "HOME": str(self.dir),
-                },
+                env=patroni_env(self.dir),
                 **as_service_user(),
             )
 
