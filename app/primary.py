@@ -146,11 +146,8 @@ class Hosts:
                 refused = exc
                 continue
             except CONNECTION_ERRORS as exc:
-                self._failed(index)
-                last = exc
-                continue
-            except asyncpg.TargetServerAttributeNotMatched as exc:
-                # A standby (or a read-only primary) where read-write was asked for.
+                # Down, frozen (the timeout), or a standby where read-write was asked for
+                # (TargetServerAttributeNotMatched, an InternalClientError).
                 self._failed(index)
                 last = exc
                 continue
