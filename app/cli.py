@@ -318,19 +318,28 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     if args.job not in registry:
         print(f"cronlock: unknown job {args.job!r}; known: {', '.join(registry)}", file=sys.stderr)
         return EXIT_USAGE
+    registry.check_leases(settings.db_query_timeout, settings.lease_margin)
     job = registry[args.job]
     db = Database(settings)
     await db.open()
+    runner = Runner(settings, registry, db)
     try:
         params = parse_params(job, (args.params or "").encode())
         await db.check(apply_migrations=False)
-        outcome = await Runner(settings, registry, db).trigger(
+        outcome = await runner.trigger(
             job, force=args.force, slot=args.slot, params=params, source="cli"
         )
+        if outcome.kind == "accepted":
+            # A lease job runs in the background of this process: wait for its end. If this
+            # process dies first, its lease runs out and a running service takes it over.
+            outcome = await runner.leases.settle(outcome.run_id or 0) or outcome
     except InvalidTrigger as exc:
         print(f"cronlock: invalid trigger: {exc.args[0]}", file=sys.stderr)
         return EXIT_USAGE
     finally:
+        # A lease run still held here (interrupted) gives its lease up before the pool goes,
+        # so that a running service takes it over at once.
+        await runner.leases.shutdown()
         await db.close()
     from app.outcome import answer
 
@@ -570,9 +579,10 @@ async def cmd_jobs(args: argparse.Namespace, settings: Settings) -> int:
             # Which keys run where: "42@i1 7@i2", the oldest first.
             running = " ".join(f"{h.key}@{h.instance}" for h in j.running_keys)
         elif j.running_on is not None:
-            running = (
-                f"{j.running_on.instance} pid {j.running_on.pid} {_seconds(j.running_on.held_for)}"
-            )
+            on = j.running_on
+            # A lease run has no backend between its steps: its lease is what holds the job.
+            how = "lease" if on.kind == "lease" else f"pid {on.pid}"
+            running = f"{on.instance} {how} {_seconds(on.held_for)}"
         rows.append(
             [
                 j.name,
@@ -659,7 +669,7 @@ async def cmd_locks(args: argparse.Namespace, settings: Settings) -> int:
         [
             (lk.job or "(not a job)") if lk.job_key is None else f"{lk.job} [{lk.job_key}]",
             lk.key,
-            lk.pid,
+            lk.pid if lk.kind == "advisory" else "lease",
             lk.instance,
             lk.state,
             _seconds(lk.held_for),
@@ -775,6 +785,13 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     }
     if args.json:
         print(json.dumps(result))
+    elif first.kind == "lease":
+        status = run.status if run is not None else "unknown"
+        print(
+            f"{args.job}: cancel requested from the lease holder on {first.instance}; "
+            f"run {first.run_id} {'recorded as ' + status if done.released else 'still running'}",
+            file=sys.stdout if done.released else sys.stderr,
+        )
     elif done.released:
         status = run.status if run is not None else "unknown"
         print(

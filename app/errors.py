@@ -21,12 +21,29 @@ class DatabaseUnavailable(CronlockError):
         self.reason = reason
 
 
+STANDBY_REASON = (
+    "database is a standby: advisory locks there do not coordinate with the primary, "
+    "so jobs are refused"
+)
+
+
 class JobDefinitionError(CronlockError):
     """A job is declared wrongly (bad name, schedule, colliding lock key); start-up stops."""
 
 
 class InvalidTrigger(CronlockError):
     """A trigger's parameters are wrong (bad backfill slot, bad params); answered as 422."""
+
+
+class LeaseLost(CronlockError):
+    """A lease job's step (or its end) found the run no longer its own: the lease expired, or
+    another instance took the run over with a newer token. Nothing of the step persisted; the
+    job must stop (its holder cancels it if it does not)."""
+
+
+class RunCancelled(CronlockError):
+    """An operator asked a lease run to stop (`python -m app cancel`); raised by its next
+    step, which persisted nothing."""
 
 
 class InvalidInput(CronlockError):

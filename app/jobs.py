@@ -11,6 +11,10 @@ inside the job opens one).
 A keyed job (`key=` names a field of its params) locks per key value: runs for different keys
 go at once, on one instance or several; a second run for the same key is "already running".
 The key's canonical text (`key_text`) is what is locked, stored in the ledger and shown.
+
+A lease job (`lease=` seconds) runs outside one transaction: it has no `ctx.conn`, and writes
+only in steps (`async with ctx.step() as conn:`), each a short transaction fenced by the run's
+lease (app/lease.py), committed with `ctx.checkpoint`, from which a later attempt resumes.
 """
 
 from __future__ import annotations
@@ -20,18 +24,31 @@ import inspect
 import json
 import re
 from collections.abc import Callable, Coroutine, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
 from pydantic import BaseModel, ValidationError
 
 from app.db import Conn
-from app.errors import InvalidTrigger, JobDefinitionError
+from app.errors import InvalidTrigger, JobDefinitionError, LeaseLost, RunCancelled
 from app.inputs import json_problem, text_problem
 from app.lock import LockKey, job_lock, lock_key
 from app.schedule import Schedule, ScheduleError
 from app.settings import Settings
+
+__all__ = [
+    "Job",
+    "JobContext",
+    "LeaseLost",
+    "Registry",
+    "RunCancelled",
+    "job",
+    "key_text",
+    "load",
+    "parse_params",
+]
 
 RESERVED_NAMES = frozenset({"jobs", "runs", "locks"})
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -48,9 +65,33 @@ KEY_TYPES: tuple[type, ...] = (str, int)
 MAX_KEY_LENGTH = 200
 
 
-@dataclass(frozen=True)
+class Steps(Protocol):
+    """Where a lease job's steps come from (app/lease.py `Fence`)."""
+
+    def step(self, ctx: JobContext) -> AbstractAsyncContextManager[Conn]: ...
+
+
+class _StepsOnly:
+    """`ctx.conn` of a lease job: it has no transaction of its own to write in."""
+
+    def __init__(self, job: str) -> None:
+        self._job = job
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            f"job {self._job!r} is a lease job: it has no ctx.conn; write through "
+            "`async with ctx.step() as conn:`"
+        )
+
+
+def steps_only(job: str) -> Conn:
+    return cast(Conn, _StepsOnly(job))
+
+
+@dataclass
 class JobContext:
-    """What a running job gets. `conn` is the only connection it may use."""
+    """What a running job gets. `conn` is the only connection it may use (a lease job has
+    none: it writes in `ctx.step()`s)."""
 
     conn: Conn
     job: Job
@@ -64,11 +105,28 @@ class JobContext:
     settings: Settings
     # A keyed job's key, as locked and stored (its canonical text, e.g. "42"); None otherwise.
     key: str | None = None
+    # Lease jobs: the attempt (1 at first; a takeover or a new attempt at the slot adds one),
+    # the resume point the job sets and each step commits (JSON; None before the first), and
+    # what the job says of its progress (JSON, shown in /cron/runs/{id}).
+    attempt: int = 1
+    checkpoint: Any = None
+    progress: Any = None
+    steps: Steps | None = None
 
     @property
     def schema(self) -> str:
         """cronlock's schema (DB_SCHEMA), for a job that writes cronlock's tables itself."""
         return self.settings.db_schema
+
+    def step(self) -> AbstractAsyncContextManager[Conn]:
+        """A lease job's fenced transaction: `async with ctx.step() as conn:` (see the module
+        docstring). Raises LeaseLost when the run is no longer this holder's."""
+        if self.steps is None:
+            raise RuntimeError(
+                f"job {self.job.name!r} is not a lease job: it writes through ctx.conn, in the "
+                "one transaction of its run"
+            )
+        return self.steps.step(self)
 
 
 JobFunc = Callable[[JobContext], Coroutine[Any, Any, Any]]
@@ -92,6 +150,8 @@ class Job:
     module: str = ""
     # The params field whose value is the run's key (keyed jobs), else None.
     key: str | None = None
+    # Lease mode: the lease's length in seconds (app/lease.py); None runs in one transaction.
+    lease: float | None = None
 
     @property
     def tz(self) -> str | None:
@@ -148,6 +208,7 @@ def job(
     catch_up: bool = False,
     params: type[BaseModel] | None = None,
     key: str | None = None,
+    lease: float | None = None,
 ) -> Callable[[JobFunc], JobFunc]:
     """Declare a job. Jobs are collected from the modules named in the CRON_JOBS setting."""
     if not NAME_PATTERN.match(name):
@@ -164,6 +225,11 @@ def job(
         parsed = Schedule.parse(schedule, tz) if schedule is not None else None
     except ScheduleError as exc:
         raise JobDefinitionError(f"job {name!r}: {exc}") from exc
+    if lease is not None and not 0 < lease <= timeout:
+        raise JobDefinitionError(
+            f"job {name!r}: lease must be positive and at most the timeout ({timeout} s), "
+            "which bounds the whole run"
+        )
     if key is not None:
         _check_key(name, key, params)
         if catch_up:
@@ -188,6 +254,7 @@ def job(
             description=(func.__doc__ or "").strip().split("\n")[0],
             module=func.__module__,
             key=key,
+            lease=lease,
         )
         previous = _DECLARED.get(name)
         if previous is not None and previous.module != declared.module:
@@ -224,6 +291,19 @@ class Registry(Mapping[str, Job]):
         """The advisory lock key of the job (of one of its keys, for a keyed job; see
         app/lock.py)."""
         return lock_key(job_lock(self.schema, name, key), self.namespace)
+
+    def check_leases(self, query_timeout: float, margin: float) -> None:
+        """Refuse a lease too short for this deployment's timeouts: its holder renews every
+        third of the lease and stops the job once DB_QUERY_TIMEOUT plus LEASE_MARGIN is all
+        that may be left of it (app/lease.py `stop_at`), so that must leave at least one
+        renewal's time."""
+        for job in self.jobs.values():
+            if job.lease is not None and job.lease - query_timeout - margin <= job.lease / 3:
+                raise JobDefinitionError(
+                    f"job {job.name!r}: lease={job.lease} s is too short for "
+                    f"DB_QUERY_TIMEOUT={query_timeout} s and LEASE_MARGIN={margin} s: use a "
+                    f"lease above {1.5 * (query_timeout + margin):g} s, or shorter timeouts"
+                )
 
     def by_key(self) -> dict[int, str]:
         return {self.key(name): name for name in self.jobs}

@@ -209,13 +209,15 @@ async def last_runs(conn: Conn | asyncpg.Pool, schema: str, jobs: list[str]) -> 
 # A `running` row whose backend holds the job's advisory lock no more was left by an instance
 # that died (kill -9, lost connection): its transaction rolled back, so nothing of it
 # persisted. Matching the backend too closes it even while a newer run holds the lock. A
-# keyed run's lock is its key's (the row's key is part of the hashed text).
+# keyed run's lock is its key's (the row's key is part of the hashed text). A lease run holds
+# no lock while it runs: its lease says whether it is live (app/lease_runner.py takes over or
+# times out the expired ones), so it is never closed here.
 _RUN_KEY_SQL = JOB_KEY_SQL.format(schema="$4", job="r.job", key="r.key", namespace="$1")
 ABANDON_SQL = f"""
 UPDATE {{schema}}.runs r
 SET status = 'abandoned', finished_at = clock_timestamp(),
     error = 'the instance running it went away; its transaction rolled back'
-WHERE r.status = 'running'
+WHERE r.status = 'running' AND r.lease_token IS NULL
   AND r.started_at < now() - make_interval(secs => $3)
   AND NOT EXISTS (
       SELECT 1 FROM pg_locks l

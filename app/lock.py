@@ -291,7 +291,10 @@ async def reset_session(
 # the ledger is not read.
 # Migration 0005 gave the function the run's key (the ledger's done slot is per key); its
 # five-argument form stays for instances of the previous release during a rolling deploy.
-PROBE_SQL = "SELECT db_now, standby, done_slot, running FROM {schema}.probe($1, $2, $3, $4, $5, $6)"
+# Migration 0008 added `with_lease`: a lease job's run is running while its lease is live.
+PROBE_SQL = (
+    "SELECT db_now, standby, done_slot, running FROM {schema}.probe($1, $2, $3, $4, $5, $6, $7)"
+)
 
 
 async def probe(
@@ -303,14 +306,23 @@ async def probe(
     scheduled: bool = True,
     done_hint: datetime | None = None,
     run_key: str | None = None,
+    lease: bool = False,
 ) -> asyncpg.Record:
-    """Returns `db_now`, `standby`, `done_slot` (None without a ledger look) and `running`.
+    """Returns `db_now`, `standby`, `done_slot` (None without a ledger look) and `running`
+    (the lock held, or for a lease job (`lease`) its live lease).
 
     `running` is None when `done_hint` equals `done_slot`: the slot the caller expects is done
     (if the database's clock agrees), so the lock table was not read.
     """
     row = await conn.fetchrow(
-        qualify(PROBE_SQL, schema), name, run_key, key.classid, key.objid, scheduled, done_hint
+        qualify(PROBE_SQL, schema),
+        name,
+        run_key,
+        key.classid,
+        key.objid,
+        scheduled,
+        done_hint,
+        lease,
     )
     assert row is not None
     return row

@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.check_secrets()
         settings.check_email()
         registry = load(settings.job_modules, settings.lock_namespace, settings.db_schema)
+        registry.check_leases(settings.db_query_timeout, settings.lease_margin)
     except (SettingsError, JobDefinitionError) as exc:
         if from_env:
             print(f"cronlock: cannot start: {exc}", file=sys.stderr)
@@ -56,11 +57,14 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[State]:
         db = Database(settings)
         await db.open()
-        runner = Runner(settings, registry, db, metrics=Metrics(registry))
+        lease_jobs = [name for name, job in registry.items() if job.lease is not None]
+        runner = Runner(settings, registry, db, metrics=Metrics(registry, lease_jobs))
         stop = asyncio.Event()
         tasks = [asyncio.create_task(db.watch(stop), name="db-watch")]
         if any(job.catch_up for job in registry.values()):
             tasks.append(asyncio.create_task(catchup.catch_up_loop(runner, stop), name="catch-up"))
+        if lease_jobs:
+            tasks.append(asyncio.create_task(runner.leases.watch(stop), name="lease-watch"))
         if settings.outbox_enabled:
             tasks.append(asyncio.create_task(_deliver(db, settings, stop), name="outbox"))
         # What exists now (the app, its routes and models, imported modules) lives as long as

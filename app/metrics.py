@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
 # Finished runs; "accepted" (wait=false) is not one: the same run reports its end later.
-FINISHED = ("succeeded", "failed", "timed_out", "cancelled")
+FINISHED = ("succeeded", "failed", "timed_out", "cancelled", "lease_lost")
 SKIP_REASONS = ("already running", "already done", "too late")
 
 # From a quick statement to the longest timeout worth having (an hour).
@@ -40,7 +40,7 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
 
 
 class Metrics:
-    def __init__(self, jobs: Iterable[str] = ()) -> None:
+    def __init__(self, jobs: Iterable[str] = (), lease_jobs: Iterable[str] = ()) -> None:
         # `*_created` series double the output and no dashboard of ours reads them. The switch
         # is process-wide in prometheus-client; nothing else in the process exports metrics.
         disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped upstream
@@ -63,6 +63,18 @@ class Metrics:
             "cronlock_skips",
             "Triggers answered without running, by job and reason.",
             ["job", "reason"],
+            registry=r,
+        )
+        self.lease_takeovers = Counter(
+            "cronlock_lease_takeovers",
+            "Lease runs this instance took over after their lease expired, by job.",
+            ["job"],
+            registry=r,
+        )
+        self.leases_lost = Counter(
+            "cronlock_leases_lost",
+            "Lease runs whose holder on this instance stopped because its lease was lost.",
+            ["job"],
             registry=r,
         )
         self.overdue = Gauge(
@@ -107,6 +119,9 @@ class Metrics:
                 self.runs.labels(job, outcome)
             for reason in SKIP_REASONS:
                 self.skips.labels(job, reason)
+        for job in lease_jobs:
+            self.lease_takeovers.labels(job)
+            self.leases_lost.labels(job)
 
     def observe(self, outcome: Outcome) -> None:
         """Count one outcome, as `Runner._log` reports it."""

@@ -4,10 +4,12 @@ The views are plain functions of a connection, shared by the read routes (app/ro
 by the CLI (`python -m app jobs|runs|locks`), so both show the same thing; nothing here needs
 the web framework.
 
-"Running" here only ever comes from `pg_locks`: a transaction-level advisory lock exists
-exactly while its run's transaction does, whereas a ledger row says `running` until someone
-writes otherwise, which a killed instance never does. Such rows are closed as `abandoned`
-(`ledger.close_abandoned`) whenever jobs or runs are listed.
+"Running" comes from `pg_locks` for one-transaction runs: a transaction-level advisory lock
+exists exactly while its run's transaction does, whereas a ledger row says `running` until
+someone writes otherwise, which a killed instance never does. Such rows are closed as
+`abandoned` (`ledger.close_abandoned`) whenever jobs or runs are listed. A lease run holds no
+lock while it runs: it is running while its lease is live on the database's clock
+(app/lease.py), and `locks` shows its lease next to the advisory locks.
 
 A keyed run's lock is a hash of its key, which cannot be turned back into the key: the lock
 is named by the `running` row its backend recorded (backend pid and key), once the hash of
@@ -33,7 +35,7 @@ from typing import Annotated, Any, Literal, get_args
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
-from app import ledger, outbox
+from app import lease, ledger, outbox
 from app.db import Conn, deadline
 from app.errors import (
     DRIVER_ERRORS,
@@ -70,8 +72,10 @@ CATCH_UP = "catch-up"
 
 
 class LockView(BaseModel):
-    """One advisory lock in this database, mapped back to its job where it is one."""
+    """One advisory lock in this database, mapped back to its job where it is one; or a lease
+    run's live lease (`kind` "lease": no backend holds anything, the run's row does)."""
 
+    kind: Literal["advisory", "lease"] = "advisory"
     job: str | None
     # A keyed job's run: its key (canonical text). Not `key`, which is the lock's own key.
     job_key: str | None = None
@@ -80,13 +84,15 @@ class LockView(BaseModel):
     key: str
     classid: int
     objid: int
-    pid: int
+    pid: int | None  # None for a lease
     holder: str | None  # application_name: "cronlock:<instance>" for cronlock's own sessions
     instance: str | None
     state: str | None
-    held_for: float | None  # seconds since the holding transaction began
+    held_for: float | None  # seconds since the holding transaction (or the lease run) began
     granted: bool
     run_id: int | None
+    token: int | None = None  # a lease's fencing token
+    lease_expires_at: Timestamp | None = None
 
 
 class RunView(BaseModel):
@@ -104,8 +110,23 @@ class RunView(BaseModel):
     params: Any
     result: Any
     error: str | None
-    # From pg_locks: the job's lock is held by the backend that recorded this run.
+    # From pg_locks: the job's lock is held by the backend that recorded this run; for a lease
+    # run, its lease is live.
     running: bool
+    # Attempts: 1 for a first attempt; a retry or a lease takeover is the next, and names the
+    # attempt it continues.
+    attempt: int
+    retry_of: int | None
+    cancel_requested_at: Timestamp | None
+    # Lease runs (null otherwise): the holder while the lease is live (the instance), the
+    # fencing token, the lease's end, the resume point the job committed, its progress, and
+    # the steps this attempt committed.
+    holder: str | None
+    token: int | None
+    lease_expires_at: Timestamp | None
+    checkpoint: Any
+    progress: Any
+    steps: int | None
 
 
 class RunsPage(BaseModel):
@@ -135,12 +156,14 @@ class Holder(BaseModel):
 
     model_config = ConfigDict(from_attributes=True)
 
+    kind: Literal["advisory", "lease"] = "advisory"
     instance: str | None
-    pid: int
+    pid: int | None  # None for a lease
     state: str | None
     held_for: float | None
     run_id: int | None
     key: str | None = Field(default=None, validation_alias="job_key")  # a keyed run's key
+    lease_expires_at: Timestamp | None = None
 
 
 class JobView(BaseModel):
@@ -153,6 +176,8 @@ class JobView(BaseModel):
     early_tolerance: float
     max_lateness: float | None
     catch_up: bool
+    # A lease job's lease in seconds (it runs in fenced steps, docs/long-jobs.md), else None.
+    lease: float | None
     # The params field a keyed job locks on, else None. A keyed job's runs lock per key (see
     # `running_keys`); `lock_key` is then the key-less text's, which no run takes.
     key_field: str | None
@@ -245,6 +270,27 @@ async def locks(conn: Conn, registry: Registry) -> list[LockView]:
                 run_id=run.id if run is not None else None,
             )
         )
+    for r in await lease.live(conn, registry.schema):
+        lk = registry.lock(r["job"], r["key"])
+        found.append(
+            LockView(
+                kind="lease",
+                job=r["job"],
+                job_key=r["key"],
+                key=str(lk.key),
+                classid=lk.classid,
+                objid=lk.objid,
+                pid=None,
+                holder=f"cronlock:{r['instance']}",
+                instance=r["instance"],
+                state=None,
+                held_for=round(r["held_for"], 3),
+                granted=True,
+                run_id=r["id"],
+                token=r["lease_token"],
+                lease_expires_at=r["lease_expires_at"],
+            )
+        )
     return found
 
 
@@ -298,6 +344,7 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
                 early_tolerance=job.early_tolerance,
                 max_lateness=job.max_lateness,
                 catch_up=job.catch_up,
+                lease=job.lease,
                 key_field=job.key,
                 lock_key=str(registry.key(job.name)),
                 current_slot=current,
@@ -316,6 +363,8 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
 
 def _run_view(run: ledger.Run, held: dict[tuple[str, str | None], LockView]) -> RunView:
     holder = held.get((run.job, run.key))
+    running = run.status == "running" and holder is not None and holder.run_id == run.id
+    leased = run.lease_token is not None
     return RunView(
         id=run.id,
         job=run.job,
@@ -331,7 +380,16 @@ def _run_view(run: ledger.Run, held: dict[tuple[str, str | None], LockView]) -> 
         params=run.params,
         result=run.result,
         error=run.error,
-        running=run.status == "running" and holder is not None and holder.run_id == run.id,
+        running=running,
+        attempt=run.attempt,
+        retry_of=run.retry_of,
+        cancel_requested_at=run.cancel_requested_at,
+        holder=run.instance if leased and running else None,
+        token=run.lease_token,
+        lease_expires_at=run.lease_expires_at,
+        checkpoint=run.checkpoint,
+        progress=run.progress,
+        steps=run.steps if leased else None,
     )
 
 
@@ -425,7 +483,12 @@ async def cancel(
 
     first = await holder()
     if first is None:
+        first = await _expired_lease(conn, registry, settings, job, key)
+    if first is None:
         return None
+    if first.kind == "lease":
+        return await _cancel_lease(conn, registry, settings, first, wait)
+    assert first.pid is not None
     give_up_at = time.monotonic() + wait
     signalled = released = False
     current = first
@@ -461,6 +524,72 @@ async def cancel(
                 await sweep(conn, settings, job)
             await asyncio.sleep(0.1)
     return Cancelled(first, signalled, released, found)
+
+
+async def _expired_lease(
+    conn: Conn, registry: Registry, settings: Settings, job: str, key: str | None
+) -> LockView | None:
+    """A lease run whose lease ran out (its holder died, nobody took it over yet): not in the
+    lock views, but still `running`, and cancelling it is what an operator means."""
+    if job not in registry or registry[job].lease is None:
+        return None
+    with deadline(conn, settings.db_query_timeout):
+        async with reading(conn):
+            found = await lease.current(conn, registry.schema, job, key)
+    if found is None:
+        return None
+    lk = registry.lock(job, key)
+    return LockView(
+        kind="lease",
+        job=job,
+        job_key=key,
+        key=str(lk.key),
+        classid=lk.classid,
+        objid=lk.objid,
+        pid=None,
+        holder=None,
+        instance=None,
+        state="expired",
+        held_for=None,
+        granted=True,
+        run_id=found.id,
+        lease_expires_at=found.expires_at,
+    )
+
+
+async def _cancel_lease(
+    conn: Conn, registry: Registry, settings: Settings, first: LockView, wait: float
+) -> Cancelled:
+    """A lease run is stopped by its holder, which sees the request at its next step or lease
+    renewal (within a third of the lease), records it `cancelled` and ends its job; a run with
+    no live holder is cancelled by the request itself, and a takeover closes a run with a
+    pending request as cancelled rather than resuming it. The request goes to the (job, key)'s
+    lease run, whichever attempt it is at now, and again if a takeover made a new one
+    meanwhile. `--terminate` has nothing to add: no backend holds a lease run between steps."""
+    assert first.job is not None
+    give_up_at = time.monotonic() + wait
+    signalled = released = False
+    last = first.run_id
+    while True:
+        with deadline(conn, settings.db_query_timeout):
+            async with reading(conn):
+                done, run_id = await lease.request_cancel(
+                    conn, registry.schema, first.job, first.job_key, "cli"
+                )
+        if run_id is not None:
+            signalled, last = True, run_id
+        if done == "finished":
+            released = True
+            break
+        if time.monotonic() > give_up_at:
+            break
+        await asyncio.sleep(0.1)
+    view = None
+    if last is not None:
+        with deadline(conn, settings.db_query_timeout):
+            async with reading(conn):
+                view = await run(conn, registry, last)
+    return Cancelled(first, signalled, released, view)
 
 
 async def signal_holder(conn: Conn, pid: int, *, terminate: bool) -> bool:

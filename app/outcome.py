@@ -11,7 +11,10 @@ from typing import Any, Literal
 from app.jobs import Trigger
 from app.ledger import iso
 
-Kind = Literal["succeeded", "skipped", "accepted", "failed", "timed_out", "cancelled"]
+# "lease_lost": a lease run's attempt on this instance that stopped because its lease was no
+# longer its own (another instance took the run over); only ever logged and counted, since a
+# lease run's trigger was answered 202 when it began.
+Kind = Literal["succeeded", "skipped", "accepted", "failed", "timed_out", "cancelled", "lease_lost"]
 
 
 @dataclass
@@ -25,6 +28,7 @@ class Outcome:
     reason: str | None = None
     trigger: Trigger = "scheduled"
     key: str | None = None  # a keyed job's key, shown in every answer about its run
+    lease_expires_at: datetime | None = None  # a lease run's, as it began (database clock)
 
 
 def answer(outcome: Outcome) -> tuple[int, dict[str, Any]]:
@@ -52,9 +56,20 @@ def answer(outcome: Outcome) -> tuple[int, dict[str, Any]]:
             body["slot"] = iso(outcome.slot)
         return 200, body
     if outcome.kind == "accepted":
-        return 202, {**ids, "slot": iso(outcome.slot)}
+        accepted = {**ids, "slot": iso(outcome.slot)}
+        if outcome.lease_expires_at is not None:
+            accepted["lease_expires_at"] = iso(outcome.lease_expires_at)
+        return 202, accepted
     if outcome.kind == "timed_out":
         return 504, {"error": "job timed out", **ids}
+    if outcome.kind == "lease_lost":
+        # Only `python -m app run` of a lease job prints this (a trigger answered 202 long
+        # before): the run was handed over and goes on, or is recorded, elsewhere.
+        return 500, {
+            "error": "lease lost: the run goes on elsewhere",
+            "reason": outcome.reason,
+            **ids,
+        }
     if outcome.kind == "cancelled":
         # Still a 5xx: the slot is not done, and a scheduler should know.
         return 500, {"error": "job cancelled", **ids}

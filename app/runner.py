@@ -25,12 +25,14 @@ from app.db import Conn, Database, deadline, terminate
 from app.errors import (
     DATABASE_ERRORS,
     DRIVER_ERRORS,
+    STANDBY_REASON,
     DatabaseUnavailable,
     InvalidTrigger,
     describe,
     translate,
 )
 from app.jobs import Job, JobContext, Registry, Trigger
+from app.lease_runner import LeaseRunner
 from app.lock import LockKey, job_lock, probe, reset_session, try_lock, verify_keys
 from app.outcome import Kind, Outcome
 from app.settings import Settings
@@ -40,12 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cronlock.run")
 
-STANDBY_REASON = (
-    "database is a standby: advisory locks there do not coordinate with the primary, "
-    "so jobs are refused"
-)
 
-# Skips answered many times a slot by design; DEBUG with LOG_SKIPS=false (see `Runner._log`).
+# Skips answered many times a slot by design; DEBUG with LOG_SKIPS=false (see `Runner.log_outcome`).
 ROUTINE_SKIPS = ("already running", "already done")
 
 
@@ -95,6 +93,7 @@ class Runner:
             name: registry.lock(name) for name in registry
         }
         self._keys_checked = False
+        self.leases = LeaseRunner(self)
 
     async def trigger(
         self,
@@ -114,7 +113,7 @@ class Runner:
         key = job.key_of(params)
         local = (job.name, key)
         if local in self.local:
-            return self._skip(job, "already running", None, trigger, source, key)
+            return self.skip(job, "already running", None, trigger, source, key)
         self.local[local] = None
         handed_off = False
         try:
@@ -122,6 +121,12 @@ class Runner:
                 skipped = await self._probe(job, key, source)
                 if skipped is not None:
                     return skipped
+            if job.lease is not None:
+                started = await self.leases.start(job, key, trigger, slot, params, source)
+                assert started is not None
+                # An accepted run is the lease runner's now: it clears `local` at its end.
+                handed_off = started.kind == "accepted"
+                return started
             lease_or_skip = await self._acquire(job, key, trigger, slot, params, source)
             if isinstance(lease_or_skip, Outcome):
                 return lease_or_skip
@@ -171,6 +176,7 @@ class Runner:
                     scheduled=job.schedule is not None,
                     done_hint=self._done_hint(job),
                     run_key=key,
+                    lease=job.lease is not None,
                 )
         except DRIVER_ERRORS as exc:
             raise translate(exc) from exc
@@ -183,9 +189,9 @@ class Runner:
         if job.schedule is not None:
             slot = job.schedule.slot_for(row["db_now"], job.early_tolerance)
             if row["done_slot"] == slot:
-                return self._skip(job, "already done", slot, "scheduled", source, key)
+                return self.skip(job, "already done", slot, "scheduled", source, key)
         if row["running"]:
-            return self._skip(job, "already running", None, "scheduled", source, key)
+            return self.skip(job, "already running", None, "scheduled", source, key)
         # running is None: the hint named a done slot the database's clock disagrees with (a
         # tick between the two clocks), so the lock was not looked at; the real attempt decides.
         return None
@@ -261,11 +267,11 @@ class Runner:
                     self.db.standby, self.db.migrated = True, False
                     raise DatabaseUnavailable(STANDBY_REASON)
                 if not row["locked"]:
-                    return self._skip(job, "already running", None, trigger, source, key)
+                    return self.skip(job, "already running", None, trigger, source, key)
                 now: datetime = row["db_now"]
-                skip, slot = await self._slot(conn, job, key, trigger, backfill, now)
+                skip, slot = await self.decide_slot(conn, job, key, trigger, backfill, now)
             if skip is not None:
-                return self._skip(job, skip, slot, trigger, source, key)
+                return self.skip(job, skip, slot, trigger, source, key)
             async with self.db.connection() as other:
                 run_id = await ledger.start(
                     other,
@@ -307,7 +313,7 @@ class Runner:
                 finally:
                     self.lock_slots.release()
 
-    async def _slot(
+    async def decide_slot(
         self,
         conn: Conn,
         job: Job,
@@ -455,10 +461,10 @@ class Runner:
             lease.ctx.trigger,
             lease.ctx.key,
         )
-        self._log(outcome, source)
+        self.log_outcome(outcome, source)
         return outcome
 
-    def _skip(
+    def skip(
         self,
         job: Job,
         reason: str,
@@ -468,10 +474,10 @@ class Runner:
         key: str | None = None,
     ) -> Outcome:
         outcome = Outcome(job.name, "skipped", slot=slot, reason=reason, trigger=trigger, key=key)
-        self._log(outcome, source)
+        self.log_outcome(outcome, source)
         return outcome
 
-    def _log(self, outcome: Outcome, source: str) -> None:
+    def log_outcome(self, outcome: Outcome, source: str) -> None:
         # One line per trigger. LOG_SKIPS=false moves routine skips (a scheduler retrying, a
         # trigger storm) to DEBUG, for logs a storm would flood; they are still counted in the
         # metrics.
@@ -514,7 +520,9 @@ class Runner:
 
     async def shutdown(self, grace: float) -> None:
         """Give background runs (`wait=false`) their grace period, then cancel them; then wait
-        a little for runs still settling, before the pool they record with closes."""
+        a little for runs still settling, before the pool they record with closes. Lease runs
+        stop at once and give their leases up (app/lease_runner.py `shutdown`)."""
+        await self.leases.shutdown()
         if self.background:
             _, pending = await asyncio.wait(set(self.background), timeout=grace)
             for task in pending:

@@ -87,6 +87,11 @@ class Settings(BaseSettings):
     # How often an instance looks for missed slots of jobs with `catch_up=True`.
     catch_up_interval: float = Field(default=60.0, gt=0)
     ledger_retention_days: float = Field(default=90.0, gt=0)
+    # Lease jobs (`@job(..., lease=)`): how often each instance looks for runs whose lease ran
+    # out, to take them over; and the part of a lease its holder keeps in hand, besides
+    # DB_QUERY_TIMEOUT, when it decides its lease may have run out (app/lease.py `stop_at`).
+    lease_poll_interval: float = Field(default=2.0, gt=0)
+    lease_margin: float = Field(default=1.0, ge=0)
     # uvicorn waits for ever for running requests by default; a job in flight at SIGTERM
     # gets this long, then is cancelled and rolled back.
     graceful_shutdown_timeout: float = Field(default=30.0, gt=0)

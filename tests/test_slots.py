@@ -35,7 +35,7 @@ def at(text: str) -> datetime:
 
 
 async def decide(runner: Any, db: asyncpg.Connection, name: str, now: datetime) -> Any:
-    return await runner._slot(db, runner.registry[name], None, "scheduled", None, now)
+    return await runner.decide_slot(db, runner.registry[name], None, "scheduled", None, now)
 
 
 async def test_early_trigger_counts_for_the_coming_tick(
