@@ -90,3 +90,43 @@ async def soak_minutely(ctx: JobContext) -> int:
     """Backfilled slot by slot: once per slot."""
     await effect(ctx, 0.05)
     return 1
+
+
+# --- lease mode ----------------------------------------------------------------------------
+
+# Above what the soak's DB_QUERY_TIMEOUT (3 s) and LEASE_MARGIN (1 s) need (app/jobs.py
+# check_leases): a holder renews every third of it and stops with 4 s still left.
+LEASE = 8.0
+
+LEASE_ITEMS_SQL = """
+CREATE TABLE IF NOT EXISTS soak_lease_items (
+    run_id   bigint NOT NULL,
+    item     integer NOT NULL,
+    instance text NOT NULL,
+    at       timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+
+class Steps(BaseModel):
+    n: int = Field(default=5, ge=1, le=100)
+    pause: float = Field(default=0.1, ge=0, le=5)
+
+
+@job("soak-lease", params=Steps, lease=LEASE, timeout=120)
+async def soak_lease(ctx: JobContext) -> int:
+    """Items 1..n, one per fenced step; a takeover resumes after the last committed one, so
+    each item is committed once per run and its takeovers (tests/support/soak.py checks)."""
+    last = int((ctx.checkpoint or {}).get("last", 0))
+    while last < ctx.params.n:
+        await asyncio.sleep(ctx.params.pause)
+        async with ctx.step() as conn:
+            last += 1
+            await conn.execute(
+                "INSERT INTO soak_lease_items (run_id, item, instance) VALUES ($1, $2, $3)",
+                ctx.run_id,
+                last,
+                ctx.instance,
+            )
+            ctx.checkpoint = {"last": last}
+    return last

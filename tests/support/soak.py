@@ -10,14 +10,16 @@ draws from a Random of its own); the timing is the machine's, so a run replays t
 decisions, not the same interleaving. `tests/test_soak.py` runs a minute of it,
 `bench/soak.py` ten or more.
 
-Adding a shape (a lease job, say) is one line in SHAPES, plus its job in tests/soak_jobs.py
-if it needs its own: its effects and runs are checked like the others'.
+Adding a shape is one line in SHAPES, plus its job in tests/soak_jobs.py if it needs its own:
+a job writing one `soak_effects` row per run (`effect`) is checked like the others; lease jobs
+write one `soak_lease_items` row per step and are checked per attempt chain.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import time
 from collections import Counter
@@ -29,7 +31,7 @@ from typing import Any
 import asyncpg
 import httpx
 
-from tests.soak_jobs import EFFECTS_SQL
+from tests.soak_jobs import EFFECTS_SQL, LEASE_ITEMS_SQL
 from tests.support.cluster import Cluster
 from tests.support.delivery import API_KEY
 from tests.support.faults import GRACEFUL_SHUTDOWN_TIMEOUT, leftovers, wait_ready
@@ -46,6 +48,8 @@ class Shape:
     job: str
     # The trigger's JSON body, drawn from the client's Random; none by default.
     params: Params = lambda rng: None
+    # It writes one soak_effects row per succeeded run (tests/soak_jobs.py `effect`).
+    effect: bool = True
 
 
 SHAPES: list[Shape] = [
@@ -57,8 +61,8 @@ SHAPES: list[Shape] = [
         "soak-keyed",
         lambda rng: {"account": f"a{rng.randrange(6)}", "seconds": round(rng.uniform(0, 0.5), 2)},
     ),
-    Shape("daily-digest"),
-    # Shape("soak-lease", lambda rng: {"steps": rng.randrange(1, 5)}),  # once leases land
+    Shape("daily-digest", effect=False),  # its effects are emails
+    Shape("soak-lease", lambda rng: {"n": rng.randrange(3, 12)}, effect=False),  # 202, steps
 ]
 SLOTTED = "soak-minutely"  # backfilled slot by slot by its own workers
 FAULTS = (
@@ -121,7 +125,8 @@ async def prepare(dsn: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute(EFFECTS_SQL)
-        await conn.execute("TRUNCATE soak_effects")
+        await conn.execute(LEASE_ITEMS_SQL)
+        await conn.execute("TRUNCATE soak_effects, soak_lease_items")
         await conn.execute(
             "INSERT INTO cronlock_demo.users (email) "
             "SELECT 'soak' || i || '@example.com' FROM generate_series(1, $1) AS i "
@@ -253,6 +258,21 @@ async def soak(
             if (await fire(client, base, "daily-digest", history)).settled:
                 break
             await asyncio.sleep(0.2)
+        # Lease runs go on after their 202: wait for them (a trigger also takes over a run
+        # whose lease expired with a killed or frozen holder).
+        deadline = time.monotonic() + 90
+        db = await asyncpg.connect(dsn)
+        try:
+            while await db.fetchval(
+                "SELECT count(*) FROM cronlock.runs WHERE job = 'soak-lease' AND status = 'running'"
+            ):
+                if time.monotonic() > deadline:
+                    report.violations.append("lease runs still running 90 s after the faults")
+                    break
+                await fire(client, base, "soak-lease", history, params={"n": 1})
+                await asyncio.sleep(1.0)
+        finally:
+            await db.close()
         # Listing the jobs closes `running` rows whose lock is gone as `abandoned`.
         listed = await client.get(f"{base}/cron/jobs", headers=AUTH, timeout=10)
         if listed.status_code != 200:
@@ -261,6 +281,52 @@ async def soak(
     report.answers = history.by_status()
     report.violations += await check(cluster, dsn, history, provider, report)
     return report
+
+
+async def lease_violations(db: asyncpg.Connection) -> list[str]:
+    """Lease runs: each item committed once per attempt chain (a run and the runs that took it
+    over, `retry_of`), and a succeeded chain has every item 1..n."""
+    runs = {
+        r["id"]: r
+        for r in await db.fetch(
+            "SELECT id, retry_of, status, params FROM cronlock.runs WHERE job = 'soak-lease'"
+        )
+    }
+
+    def root(run_id: int) -> int:
+        seen = set()
+        while (parent := runs[run_id]["retry_of"]) is not None and parent in runs:
+            if run_id in seen:
+                break
+            seen.add(run_id)
+            run_id = parent
+        return run_id
+
+    items = await db.fetch("SELECT run_id, item FROM soak_lease_items")
+    found: list[str] = []
+    per_chain: dict[int, Counter[int]] = {}
+    for row in items:
+        if row["run_id"] not in runs:
+            found.append(f"lease item {row['item']} of unknown run {row['run_id']}")
+            continue
+        per_chain.setdefault(root(row["run_id"]), Counter())[row["item"]] += 1
+    for chain, counts in per_chain.items():
+        found += [
+            f"lease run {chain}: item {i} committed {n} times" for i, n in counts.items() if n > 1
+        ]
+    for run_id, run in runs.items():
+        if run["status"] != "succeeded":
+            continue
+        params = run["params"] or {}
+        if isinstance(params, str):  # jsonb as text: this connection has no codec for it
+            params = json.loads(params)
+        wanted = set(range(1, int(params.get("n", 5)) + 1))
+        got = set(per_chain.get(root(run_id), Counter()))
+        if got != wanted:
+            found.append(
+                f"lease run {run_id} succeeded with items {sorted(got)}, not 1..{len(wanted)}"
+            )
+    return found
 
 
 def overlaps(effects: Iterable[Mapping[str, Any]]) -> list[str]:
@@ -318,7 +384,7 @@ async def check(
             for rid, job in {(e["run_id"], e["job"]) for e in effects}
             if rid not in succeeded
         ]
-        effect_jobs = {s.job for s in SHAPES if s.job.startswith("soak-")} | {SLOTTED}
+        effect_jobs = {s.job for s in SHAPES if s.effect} | {SLOTTED}
         found += [
             f"succeeded run {r['id']} ({r['job']}) has no effect"
             for r in runs
@@ -344,11 +410,12 @@ async def check(
         # under it (nginx does not retry a POST elsewhere).
         for a in history.answers:
             nginx_502 = a.status == 502 and "nginx" in str(a.body.get("text", ""))
-            if a.status not in {0, 200, 500, 503, 504} and not nginx_502:
+            if a.status not in {0, 200, 202, 500, 503, 504} and not nginx_502:
                 found.append(f"{a.job}: answered {a.status} {a.body}")
             if a.status in {500, 504} and "run_id" not in a.body:
                 found.append(f"{a.job}: answered {a.status} without a run id: {a.body}")
         found += overlaps(dict(e) for e in effects)
+        found += await lease_violations(db)
         # Nothing left behind once faults stop.
         deadline = time.monotonic() + 15 + GRACEFUL_SHUTDOWN_TIMEOUT
         while left := await leftovers(db, cluster):
