@@ -23,6 +23,7 @@ from app.errors import (
     describe,
     translate,
 )
+from app.primary import Hosts, ServerConnection, read_timeline, record_timeline, timeline_of
 from app.settings import Settings
 
 log = logging.getLogger("cronlock.db")
@@ -91,13 +92,20 @@ async def _reset_connection(conn: asyncpg.Connection) -> None:
         await conn.execute("ROLLBACK")
 
 
-async def create_pool(settings: Settings, dsn: str | None = None) -> asyncpg.Pool:
-    """A pool that connects lazily: the service starts even while the database is down."""
+async def create_pool(
+    settings: Settings, dsn: str | None = None, hosts: Hosts | None = None
+) -> asyncpg.Pool:
+    """A pool that connects lazily: the service starts even while the database is down.
+    Connections are opened host by host (`Hosts.connect`: a multi-host URL follows the
+    primary, each host with its own connect timeout) and refused on a stale primary."""
     url = dsn or settings.database_url
     if not url:
         raise DatabaseUnavailable("DATABASE_URL is not set")
+    hosts = hosts or Hosts(url)
     pool = await asyncpg.create_pool(
         url,
+        connect=hosts.connect,
+        connection_class=ServerConnection,
         # Lazy: no connection until the first request, so start-up never waits for the
         # database; idle connections close after a minute.
         init_size=0,
@@ -128,7 +136,7 @@ async def connect(settings: Settings, dsn: str | None = None) -> asyncpg.Connect
     if not url:
         raise DatabaseUnavailable("DATABASE_URL is not set")
     try:
-        conn = await asyncpg.connect(
+        conn = await Hosts(url).connect(
             url,
             statement_cache_size=settings.db_statement_cache_size,
             timeout=settings.db_connect_timeout,
@@ -164,10 +172,12 @@ class Database:
         # The migrations this deployment applies: cronlock's, then its job modules'.
         self.migration_sets = schema.migration_sets(settings.job_modules)
         self._checking: asyncio.Future[str | None] | None = None
+        # The URL's hosts, the one that worked last and the newest timeline seen.
+        self.hosts = Hosts(settings.database_url or "")
 
     async def open(self) -> None:
         if self._pool is None and self.settings.database_url:
-            self._pool = await create_pool(self.settings)
+            self._pool = await create_pool(self.settings, hosts=self.hosts)
 
     async def close(self) -> None:
         """Close the pool once every connection is back, terminating what is still out after
@@ -203,6 +213,13 @@ class Database:
             raise DatabaseUnavailable("no database connection free (pool exhausted)") from exc
         except CONNECTION_ERRORS as exc:
             raise translate(exc) from exc
+        # Opened before this instance saw a newer timeline elsewhere (new connections to a
+        # stale primary are refused as they open).
+        reason = self.hosts.stale(timeline_of(conn))
+        if reason is not None:
+            terminate(conn)
+            await self.release(conn)
+            raise DatabaseUnavailable(reason)
         if not self.server_version:
             self.server_version = conn.get_server_version().major * 10000
         return conn
@@ -242,6 +259,14 @@ class Database:
             # Migrations are not bounded: one may rightly take long (an index on a big table).
             with deadline(conn, self.settings.db_query_timeout):
                 self.standby = bool(await conn.fetchval("SELECT pg_is_in_recovery()"))
+                # A connection opened to a standby that was promoted since learns its timeline
+                # here, and so does the instance.
+                timeline = await read_timeline(conn)
+            record_timeline(conn, timeline)
+            stale = self.hosts.stale(timeline)
+            if stale is not None:
+                raise DatabaseUnavailable(stale)
+            self.hosts.observe(timeline)
             if apply_migrations and not self.standby and not self.migrated:
                 await self.migrate(conn)
             with deadline(conn, self.settings.db_query_timeout):

@@ -90,6 +90,9 @@ def describe(exc: BaseException) -> str:
         exc, asyncpg.exceptions.AdminShutdownError | asyncpg.exceptions.CrashShutdownError
     ):
         return "database connection terminated"
+    if isinstance(exc, asyncpg.exceptions.TargetServerAttributeNotMatched):
+        # target_session_attrs=read-write and every host reached is a standby or read-only.
+        return "no host is a writable primary (target_session_attrs)"
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
     if isinstance(exc, asyncpg.exceptions.ConnectionDoesNotExistError):

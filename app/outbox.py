@@ -28,6 +28,7 @@ are due again; `mark_batch` writes the batch's outcome and one outcome per membe
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import random
@@ -83,18 +84,31 @@ Conn = db.Conn
 # --- enqueue --------------------------------------------------------------------------------
 
 # One statement: the row, and a notification only if a row went in. ON CONFLICT makes a repeat
-# of the same (job, slot, user) a no-op instead of an error that would abort the caller's
-# transaction. Only with both slot and user set: NULLs are distinct in a unique index, so a job
-# without a schedule (no slot) gets one row per call, as its runs are not once per anything.
+# of the same (job, key, slot, user), or of the same idempotency key, a no-op instead of an
+# error that would abort the caller's transaction. Only with both slot and user set does the
+# first apply: NULLs are distinct in a unique index, so a job without a schedule (no slot)
+# gets one row per call, as its runs are not once per anything.
 ENQUEUE_SQL = """
 WITH queued AS (
-    INSERT INTO {schema}.email_outbox (job, slot, user_id, sender, recipient, subject, body)
-    VALUES ($1, $2, $3, $4, $5, $6, $7)
+    INSERT INTO {schema}.email_outbox (idempotency_key, job, key, slot, user_id, sender,
+                                       recipient, subject, body)
+    VALUES (coalesce($1, gen_random_uuid()::text), $2, $3, $4, $5, $6, $7, $8, $9)
     ON CONFLICT DO NOTHING
-    RETURNING id
+    RETURNING idempotency_key
 )
-SELECT pg_notify($8, '') FROM queued
+SELECT idempotency_key, pg_notify($10, '') FROM queued
 """
+
+
+def stable_key(schema: str, job: str, key: str | None, slot: datetime, identity: str) -> str:
+    """The idempotency key of the email `identity` of a job's run for `slot` (and `key`): the
+    same whenever that slot runs again, on this database or on the standby promoted after a
+    failover that lost the first run's commit, so a provider that honours keys delivers it
+    once. Readable job and slot, then a digest of everything (bounded length, no separator
+    ambiguity whatever the key and identity hold)."""
+    facts = json.dumps([schema, job, key, slot.isoformat(), identity])
+    digest = hashlib.sha256(facts.encode()).hexdigest()[:32]
+    return f"{job}:{int(slot.timestamp())}:{digest}"
 
 
 async def notify(conn: Conn, schema: str) -> None:
@@ -114,14 +128,33 @@ async def enqueue(
     subject: str,
     body: str,
     sender: str,
-) -> None:
+    key: str | None = None,
+    identity: str | None = None,
+) -> str | None:
     """Queue one email in the caller's transaction; it is sent only if that transaction commits.
+    Returns its idempotency key, frozen in the row with the payload (None: the same email was
+    queued already, and this call changed nothing).
 
-    The idempotency key is minted by the database and, with the payload, frozen in the row.
+    With a slot, the key is derived from (job, key, slot, identity): `identity` names the email
+    among the run's (the caller's choice: "invoice:42", "welcome"), the user id when not given.
+    A re-run of the same slot (after a failover lost the first commit, say) then sends the same
+    key. Without a slot (a job with no schedule, a manual run) or without an identity, nothing
+    stable names the email: the database mints a random key, and an email whose first commit
+    a failover lost goes out under a new one (docs/guarantees.md). Two emails of one run with
+    the same identity are one email: the second enqueue is a no-op.
     """
-    await conn.execute(
+    if identity is None and user_id is not None:
+        identity = f"user:{user_id}"
+    idempotency_key = (
+        stable_key(schema, job, key, slot, identity)
+        if slot is not None and identity is not None
+        else None
+    )
+    queued: str | None = await conn.fetchval(
         qualify(ENQUEUE_SQL, schema),
+        idempotency_key,
         job,
+        key,
         slot,
         user_id,
         sender,
@@ -130,6 +163,7 @@ async def enqueue(
         body,
         notify_channel(schema),
     )
+    return queued
 
 
 # --- claim / mark / release -----------------------------------------------------------------

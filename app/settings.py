@@ -45,6 +45,7 @@ class Settings(BaseSettings):
     # connection to record itself in the ledger.
     db_pool_max_size: int = Field(default=10, ge=2)
     db_acquire_timeout: float = Field(default=2.0, gt=0)
+    # Per host of a multi-host DATABASE_URL (app/primary.py), as libpq's connect_timeout.
     db_connect_timeout: float = Field(default=5.0, gt=0)
     # cronlock's own statements: around a run (probe, lock, ledger, commit), the read routes,
     # the outbox's claims and outcome writes, and the CLI's commands except `migrate`. Past

@@ -62,6 +62,12 @@ BENCHES = (
         "delivery near senders x concurrency / provider latency",
         600,
     ),
+    Bench(
+        "soak",
+        "Randomized soak: 10 minutes of faults under every job shape",
+        "0 violations",
+        900,
+    ),
 )
 
 
@@ -315,7 +321,7 @@ def _spaced(lines: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
-        "--only", default=None, help="comma-separated subset of trigger,digest,storm,outbox"
+        "--only", default=None, help="comma-separated subset of trigger,digest,storm,outbox,soak"
     )
     parser.add_argument("--pgbouncer", action="store_true", help="trigger.py through PgBouncer too")
     parser.add_argument("--output", type=Path, default=OUTPUT)

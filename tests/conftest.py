@@ -43,11 +43,12 @@ from tests.support.provider import Provider
 
 if TYPE_CHECKING:
     from app.settings import Settings
+    from tests.support.patroni import PatroniCluster
 
 CLUSTER_FIXTURES = ("pgbouncer", "start_nginx", "make_cluster")
 # Real app processes (uvicorn instances): what `./scripts/test --fast` leaves out, with the
 # tests marked `slow` by hand (other processes: the CLI, outbox workers, a wheel build).
-PROCESS_FIXTURES = ("instances", "report_logs")
+PROCESS_FIXTURES = ("instances", "report_logs", "patroni_cluster")
 INSTANCES_KEY = pytest.StashKey[list[Instance | InProcess]]()
 READY_TIMEOUT = 30.0
 
@@ -350,6 +351,28 @@ def start_nginx() -> Iterator[Callable[..., Nginx]]:
     yield start
     for proxy, root in started:
         proxy.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# --- a highly available PostgreSQL ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def patroni_cluster() -> Iterator[PatroniCluster]:
+    """etcd and two Patroni nodes on loopback (tests/support/patroni.py), once per session:
+    bootstrapping takes seconds, a hard failover tens of them."""
+    from tests.support.patroni import PatroniCluster, available
+
+    missing = available()
+    if missing is not None:
+        pytest.skip(missing)
+    root = _scratch_dir("cronlock-ha-")
+    cluster = PatroniCluster(root)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 

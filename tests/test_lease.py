@@ -623,3 +623,31 @@ async def test_a_commit_whose_answer_is_lost_hands_the_run_over_and_nothing_is_d
     assert "may or may not have landed" in rows[0]["error"]
     assert await items(effects_table, "lease-items") == 30
     assert await duplicates(effects_table, "lease-items") == []
+
+
+async def test_the_chunked_digest_queues_one_email_per_enabled_user_in_steps(
+    start_app: Starter, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """The demo's lease job end to end: its users in chunks, the checkpoint the last user id,
+    one email per enabled user for the slot, and a second trigger for the slot "already done"."""
+    a = await start_app("a", cron_jobs="app.demo.chunked")
+    await db.execute(
+        "INSERT INTO cronlock_demo.users (email, digest_enabled) "
+        "SELECT 'user' || g || '@example.com', g % 5 <> 0 FROM generate_series(1, 25) AS g"
+    )
+    r = await client.post(f"{a.url}/cron/chunked-digest", headers=AUTH, json={"chunk": 7})
+    assert r.status_code == 202, r.text
+    done = await settled(client, a, r.json()["run_id"])
+    last_enabled = await db.fetchval("SELECT max(id) FROM cronlock_demo.users WHERE digest_enabled")
+    assert done["status"] == "succeeded"
+    assert done["result"] == 20
+    assert done["checkpoint"] == {"last_id": last_enabled, "queued": 20}
+    assert done["steps"] == 4  # three chunks of 7, 7 and 6 users, then one that finds none
+    rows = await db.fetch(
+        "SELECT user_id, count(*) FROM cronlock.email_outbox WHERE job = 'chunked-digest' "
+        "GROUP BY user_id"
+    )
+    assert len(rows) == 20
+    assert {x["count"] for x in rows} == {1}
+    again = await client.post(f"{a.url}/cron/chunked-digest", headers=AUTH)
+    assert again.json()["reason"] == "already done"

@@ -120,9 +120,61 @@ async def test_enqueue_belongs_to_the_callers_transaction(
             )  # the same slot again: no-op
         key = await db.fetchval("SELECT idempotency_key FROM cronlock.email_outbox")
         assert await db.fetchval("SELECT count(*) FROM cronlock.email_outbox") == 1
-        assert uuid.UUID(key)
+        assert key == outbox.stable_key("cronlock", "digest", None, slot, "user:1")
     finally:
         await listener.close()
+
+
+async def test_enqueue_keys_survive_a_rerun_of_the_slot(db: asyncpg.Connection) -> None:
+    """The key is derived from (job, key, slot, identity): a run of the same slot whose first
+    commit was lost (a failover; here a rollback) queues the same keys again, so a provider
+    that honours keys delivers once. Each run's key and each identity gets its own."""
+    slot = await db.fetchval("SELECT date_trunc('day', now())")
+    email: dict[str, Any] = {
+        "job": "invoices",
+        "slot": slot,
+        "user_id": None,
+        "recipient": "ada@example.com",
+        "subject": "s",
+        "body": "b",
+        "sender": "cronlock <billing@example.com>",
+    }
+
+    async def run(keys: list[str | None], identities: list[str]) -> list[str | None]:
+        queued = []
+        for run_key in keys:
+            for identity in identities:
+                queued.append(
+                    await outbox.enqueue(
+                        db, schema="cronlock", **email, key=run_key, identity=identity
+                    )
+                )
+        return queued
+
+    tx = db.transaction()
+    await tx.start()
+    lost = await run(["acme", "globex"], ["invoice:1", "invoice:2"])
+    await tx.rollback()  # the commit a failover lost
+    async with db.transaction():
+        again = await run(["acme", "globex"], ["invoice:1", "invoice:2"])
+        # The same email twice in one run is one email.
+        assert await run(["acme"], ["invoice:1"]) == [None]
+    assert again == lost
+    assert len(set(again)) == 4
+    assert all(k is not None and k.startswith(f"invoices:{int(slot.timestamp())}:") for k in again)
+    rows = await db.fetch("SELECT key, idempotency_key FROM cronlock.email_outbox ORDER BY id")
+    assert [r["idempotency_key"] for r in rows] == again
+    assert [r["key"] for r in rows] == ["acme", "acme", "globex", "globex"]
+    # A keyed job's runs for two keys may each mail the same user in one slot.
+    for run_key in ("acme", "globex"):
+        assert await outbox.enqueue(db, schema="cronlock", **{**email, "user_id": 7}, key=run_key)
+    # Without a slot nothing names the email: a random key each time.
+    first = await outbox.enqueue(db, schema="cronlock", **{**email, "slot": None}, identity="x")
+    second = await outbox.enqueue(db, schema="cronlock", **{**email, "slot": None}, identity="x")
+    assert first is not None
+    assert second is not None
+    assert first != second
+    assert uuid.UUID(first)
 
 
 async def test_set_based_inserts_get_distinct_keys(db: asyncpg.Connection) -> None:

@@ -1,0 +1,431 @@
+"""The randomized soak: 3 instances behind nginx and PgBouncer, clients firing triggers for
+jobs of every shape (tests/soak_jobs.py and the digest) while a fault injector, every few
+seconds, picks one of: kill -9 and restart an instance, SIGSTOP then SIGCONT one, restart
+PostgreSQL (cleanly or after a kill -9), restart PgBouncer, freeze PgBouncer. Then a checker
+reads the whole history (answers, ledger, effect rows with their writers and times, pg_locks
+and sessions, PgBouncer's pools, the provider's counts) and lists every violation.
+
+The seed fixes the fault schedule and every client's choices (each client and the injector
+draws from a Random of its own); the timing is the machine's, so a run replays the same
+decisions, not the same interleaving. `tests/test_soak.py` runs a minute of it,
+`bench/soak.py` ten or more.
+
+Adding a shape is one line in SHAPES, plus its job in tests/soak_jobs.py if it needs its own:
+a job writing one `soak_effects` row per run (`effect`) is checked like the others; lease jobs
+write one `soak_lease_items` row per step and are checked per attempt chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+import httpx
+
+from tests.soak_jobs import EFFECTS_SQL, LEASE_ITEMS_SQL
+from tests.support.cluster import Cluster
+from tests.support.delivery import API_KEY
+from tests.support.faults import GRACEFUL_SHUTDOWN_TIMEOUT, leftovers, wait_ready
+from tests.support.history import History, fire, minute_slots, settle_slots
+from tests.support.postgres import ScratchPostgres
+from tests.support.provider import Provider
+from tests.util import AUTH
+
+Params = Callable[[random.Random], dict[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class Shape:
+    job: str
+    # The trigger's JSON body, drawn from the client's Random; none by default.
+    params: Params = lambda rng: None
+    # It writes one soak_effects row per succeeded run (tests/soak_jobs.py `effect`).
+    effect: bool = True
+
+
+SHAPES: list[Shape] = [
+    Shape("soak-fast"),
+    Shape("soak-slow", lambda rng: {"seconds": round(rng.uniform(0.1, 1.5), 2)}),
+    Shape("soak-fails"),  # answers 500, its effect rolled back
+    Shape("soak-times-out"),  # answers 504, its effect rolled back
+    Shape(
+        "soak-keyed",
+        lambda rng: {"account": f"a{rng.randrange(6)}", "seconds": round(rng.uniform(0, 0.5), 2)},
+    ),
+    Shape("daily-digest", effect=False),  # its effects are emails
+    Shape("soak-lease", lambda rng: {"n": rng.randrange(3, 12)}, effect=False),  # 202, steps
+]
+SLOTTED = "soak-minutely"  # backfilled slot by slot by its own workers
+FAULTS = (
+    "kill-instance",
+    "freeze-instance",
+    "restart-postgres",
+    "crash-postgres",
+    "restart-pgbouncer",
+    "freeze-pgbouncer",
+)
+USERS = 10
+
+
+def soak_env(provider: Provider) -> dict[str, str]:
+    """What the soak's instances run with (on top of tests.support.faults.CLUSTER_ENV)."""
+    return {
+        "CRON_JOBS": "tests.soak_jobs,app.demo.digest",
+        "OUTBOX_ENABLED": "true",
+        "EMAIL_BACKEND": "http",
+        "EMAIL_API_URL": provider.url,
+        "EMAIL_API_KEY": API_KEY,
+        "OUTBOX_RATE_LIMIT": "0",
+        "OUTBOX_POLL_INTERVAL": "0.2",
+        "OUTBOX_LEASE": "3",
+        "OUTBOX_SEND_TIMEOUT": "2",
+        "OUTBOX_BACKOFF_BASE": "0.2",
+        "OUTBOX_BACKOFF_MAX": "2",
+        # Faults for a minute must not exhaust a row's attempts.
+        "OUTBOX_MAX_ATTEMPTS": "100",
+    }
+
+
+@dataclass
+class Report:
+    seed: int
+    seconds: float
+    faults: Counter[str] = field(default_factory=Counter)
+    answers: Counter[int] = field(default_factory=Counter)
+    triggers: int = 0
+    runs: Counter[str] = field(default_factory=Counter)
+    emails: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [
+            f"seed {self.seed}, {self.seconds:.0f} s of faults",
+            "faults: " + ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())),
+            f"triggers: {self.triggers} ("
+            + ", ".join(f"{k or 'no answer'}: {v}" for k, v in sorted(self.answers.items()))
+            + ")",
+            "runs: " + ", ".join(f"{k} {v}" for k, v in sorted(self.runs.items())),
+            f"emails delivered: {self.emails}",
+            f"violations: {len(self.violations)}",
+            *(f"  {v}" for v in self.violations),
+        ]
+
+
+async def prepare(dsn: str) -> None:
+    """The effects table and the digest's users (the cluster has migrated the database)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(EFFECTS_SQL)
+        await conn.execute(LEASE_ITEMS_SQL)
+        await conn.execute("TRUNCATE soak_effects, soak_lease_items")
+        await conn.execute(
+            "INSERT INTO cronlock_demo.users (email) "
+            "SELECT 'soak' || i || '@example.com' FROM generate_series(1, $1) AS i "
+            "ON CONFLICT DO NOTHING",
+            USERS,
+        )
+    finally:
+        await conn.close()
+
+
+class Injector:
+    """One fault at a time, every `every` seconds (jittered), until `stop`."""
+
+    def __init__(
+        self, cluster: Cluster, postgres: ScratchPostgres, rng: random.Random, report: Report
+    ) -> None:
+        self.cluster = cluster
+        self.postgres = postgres
+        self.rng = rng
+        self.report = report
+
+    def inject(self, kind: str) -> None:
+        bouncer = self.cluster.pgbouncer
+        assert bouncer is not None
+        rng = self.rng
+        if kind == "kill-instance":
+            victim = rng.choice(self.cluster.instances)
+            victim.kill()
+            victim.start()
+        elif kind == "freeze-instance":
+            victim = rng.choice(self.cluster.instances)
+            victim.freeze()
+            time.sleep(rng.uniform(0.5, 3.0))
+            victim.thaw()
+        elif kind == "restart-postgres":
+            self.postgres.restart()
+        elif kind == "crash-postgres":
+            self.postgres.kill()
+            self.postgres.start()
+        elif kind == "restart-pgbouncer":
+            bouncer.terminate()
+            bouncer.start()
+        elif kind == "freeze-pgbouncer":
+            bouncer.freeze()
+            time.sleep(rng.uniform(0.5, 2.0))
+            bouncer.thaw()
+        else:
+            raise ValueError(kind)
+        self.report.faults[kind] += 1
+
+    async def run(self, stop: float, every: float) -> None:
+        while True:
+            await asyncio.sleep(self.rng.uniform(0.5, 1.5) * every)
+            if time.monotonic() >= stop:
+                return
+            await asyncio.to_thread(self.inject, self.rng.choice(FAULTS))
+
+
+async def client_loop(
+    client: httpx.AsyncClient, base: str, rng: random.Random, history: History, stop: float
+) -> None:
+    while time.monotonic() < stop:
+        shape = rng.choice(SHAPES)
+        await fire(client, base, shape.job, history, params=shape.params(rng), wait=20.0)
+        await asyncio.sleep(rng.uniform(0.0, 0.2))
+
+
+def heal(cluster: Cluster, postgres: ScratchPostgres) -> None:
+    """Everything back up: PostgreSQL, PgBouncer, every instance."""
+    bouncer = cluster.pgbouncer
+    assert bouncer is not None
+    if not postgres.is_running():
+        postgres.start()
+    bouncer.thaw()
+    if not bouncer.is_alive():
+        bouncer.start()
+    for instance in cluster.instances:
+        instance.thaw()
+        if not instance.is_alive():
+            instance.start()
+    for instance in cluster.instances:
+        wait_ready(instance, timeout=30)
+
+
+async def soak(
+    cluster: Cluster,
+    postgres: ScratchPostgres,
+    provider: Provider,
+    *,
+    seed: int,
+    seconds: float,
+    clients: int = 6,
+    every: float = 3.0,
+    slots: int = 40,
+) -> Report:
+    """Faults and load for `seconds`, then the system is healed and settled and checked."""
+    report = Report(seed, seconds)
+    dsn = cluster.postgres_dsn
+    await prepare(dsn)
+    assert cluster.nginx is not None
+    base = cluster.nginx.url
+    history = History()
+    now = datetime.now(UTC)
+    backfill = minute_slots(now, slots)
+    start = time.monotonic()
+    stop = start + seconds
+    injector = Injector(cluster, postgres, random.Random(seed), report)
+    async with httpx.AsyncClient(limits=httpx.Limits(keepalive_expiry=2.0)) as client:
+        loops = [
+            client_loop(client, base, random.Random(seed * 1000 + i), history, stop)
+            for i in range(clients)
+        ]
+        pace = max(0.1, seconds / max(slots, 1))
+        await asyncio.gather(
+            injector.run(stop, every),
+            settle_slots(
+                client, base, SLOTTED, backfill, history, workers=1, deadline=stop, pause=pace
+            ),
+            *loops,
+        )
+        # Faults stop: everything comes back, the remaining slots are settled.
+        await asyncio.to_thread(heal, cluster, postgres)
+        unsettled = await settle_slots(
+            client, base, SLOTTED, backfill, history, workers=4, deadline=time.monotonic() + 30
+        )
+        report.violations += [f"{SLOTTED} slot {s} never settled" for s in unsettled]
+        # The digest's slot is settled too (it may never have run amid the faults).
+        for _ in range(50):
+            if (await fire(client, base, "daily-digest", history)).settled:
+                break
+            await asyncio.sleep(0.2)
+        # Lease runs go on after their 202: wait for them (a trigger also takes over a run
+        # whose lease expired with a killed or frozen holder).
+        deadline = time.monotonic() + 90
+        db = await asyncpg.connect(dsn)
+        try:
+            while await db.fetchval(
+                "SELECT count(*) FROM cronlock.runs WHERE job = 'soak-lease' AND status = 'running'"
+            ):
+                if time.monotonic() > deadline:
+                    report.violations.append("lease runs still running 90 s after the faults")
+                    break
+                await fire(client, base, "soak-lease", history, params={"n": 1})
+                await asyncio.sleep(1.0)
+        finally:
+            await db.close()
+        # Listing the jobs closes `running` rows whose lock is gone as `abandoned`.
+        listed = await client.get(f"{base}/cron/jobs", headers=AUTH, timeout=10)
+        if listed.status_code != 200:
+            report.violations.append(f"GET /cron/jobs after the soak: {listed.status_code}")
+    report.triggers = len(history.answers)
+    report.answers = history.by_status()
+    report.violations += await check(cluster, dsn, history, provider, report)
+    return report
+
+
+async def lease_violations(db: asyncpg.Connection) -> list[str]:
+    """Lease runs: each item committed once per attempt chain (a run and the runs that took it
+    over, `retry_of`), and a succeeded chain has every item 1..n."""
+    runs = {
+        r["id"]: r
+        for r in await db.fetch(
+            "SELECT id, retry_of, status, params FROM cronlock.runs WHERE job = 'soak-lease'"
+        )
+    }
+
+    def root(run_id: int) -> int:
+        seen = set()
+        while (parent := runs[run_id]["retry_of"]) is not None and parent in runs:
+            if run_id in seen:
+                break
+            seen.add(run_id)
+            run_id = parent
+        return run_id
+
+    items = await db.fetch("SELECT run_id, item FROM soak_lease_items")
+    found: list[str] = []
+    per_chain: dict[int, Counter[int]] = {}
+    for row in items:
+        if row["run_id"] not in runs:
+            found.append(f"lease item {row['item']} of unknown run {row['run_id']}")
+            continue
+        per_chain.setdefault(root(row["run_id"]), Counter())[row["item"]] += 1
+    for chain, counts in per_chain.items():
+        found += [
+            f"lease run {chain}: item {i} committed {n} times" for i, n in counts.items() if n > 1
+        ]
+    for run_id, run in runs.items():
+        if run["status"] != "succeeded":
+            continue
+        params = run["params"] or {}
+        if isinstance(params, str):  # jsonb as text: this connection has no codec for it
+            params = json.loads(params)
+        wanted = set(range(1, int(params.get("n", 5)) + 1))
+        got = set(per_chain.get(root(run_id), Counter()))
+        if got != wanted:
+            found.append(
+                f"lease run {run_id} succeeded with items {sorted(got)}, not 1..{len(wanted)}"
+            )
+    return found
+
+
+def overlaps(effects: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Two runs of one job (or key) that held the lock at once: each effect's span [started,
+    ended] lies inside its run's lock span, so two spans that overlap mean two holders."""
+    found: list[str] = []
+    spans: dict[tuple[str, str | None], list[Mapping[str, Any]]] = {}
+    for e in effects:
+        spans.setdefault((e["job"], e["key"]), []).append(e)
+    for (job, key), items in spans.items():
+        items.sort(key=lambda e: e["started"])
+        for before, after in itertools.pairwise(items):
+            if after["started"] < before["ended"]:
+                found.append(
+                    f"{job}/{key}: runs {before['run_id']} ({before['instance']}) and "
+                    f"{after['run_id']} ({after['instance']}) overlap"
+                )
+    return found
+
+
+async def check(
+    cluster: Cluster, dsn: str, history: History, provider: Provider, report: Report
+) -> list[str]:
+    found: list[str] = []
+    db = await asyncpg.connect(dsn)
+    try:
+        # Every queued email goes out (faults have stopped), each key accepted once.
+        deadline = time.monotonic() + 30
+        while await db.fetchval(
+            "SELECT count(*) FROM cronlock.email_outbox WHERE status = 'pending'"
+        ):
+            if time.monotonic() > deadline:
+                found.append("emails still pending 30 s after the faults stopped")
+                break
+            await asyncio.sleep(0.2)
+        dead = await db.fetchval("SELECT count(*) FROM cronlock.email_outbox WHERE status = 'dead'")
+        if dead:
+            found.append(f"{dead} emails dead")
+        keys = {r[0] for r in await db.fetch("SELECT idempotency_key FROM cronlock.email_outbox")}
+        delivered = provider.delivered()
+        report.emails = sum(delivered.values())
+        found += [f"email key {k} delivered {n} times" for k, n in delivered.items() if n > 1]
+        found += [f"email key {k} delivered, not in the outbox" for k in set(delivered) - keys]
+        found += [f"email key {k} never delivered" for k in keys - set(delivered)]
+
+        effects = await db.fetch("SELECT * FROM soak_effects")
+        runs = await db.fetch("SELECT id, job, key, slot, status, trigger FROM cronlock.runs")
+        report.runs = Counter(r["status"] for r in runs)
+        succeeded = {r["id"] for r in runs if r["status"] == "succeeded"}
+        per_run = Counter(e["run_id"] for e in effects)
+        # No effect without a succeeded run; one effect per succeeded run of an effect job.
+        found += [f"run {rid}: {n} effects" for rid, n in per_run.items() if n > 1]
+        found += [
+            f"effect of run {rid} ({job}) without a succeeded run"
+            for rid, job in {(e["run_id"], e["job"]) for e in effects}
+            if rid not in succeeded
+        ]
+        effect_jobs = {s.job for s in SHAPES if s.effect} | {SLOTTED}
+        found += [
+            f"succeeded run {r['id']} ({r['job']}) has no effect"
+            for r in runs
+            if r["status"] == "succeeded" and r["job"] in effect_jobs and r["id"] not in per_run
+        ]
+        # At most one succeeded run per slot (and key).
+        once = Counter(
+            (r["job"], r["key"], r["slot"])
+            for r in runs
+            if r["status"] == "succeeded" and r["slot"] is not None and r["trigger"] != "manual"
+        )
+        found += [f"{k}: {n} succeeded runs" for k, n in once.items() if n > 1]
+        # Every `200 processed` has its succeeded row (and its effect).
+        for answer in history.processed():
+            rid = answer.body["run_id"]
+            if rid not in succeeded:
+                found.append(f"{answer.job} run {rid} answered 200 is not succeeded")
+            elif answer.job in effect_jobs and rid not in per_run:
+                found.append(f"{answer.job} run {rid} answered 200 has no effect")
+        # Nothing but the expected answers: 200; 500 and 504 (failed and timed-out runs, JSON
+        # with the run id); 503 (the database or PgBouncer away); no answer (a frozen instance
+        # or one killed mid-request); nginx's own 502 for a POST whose instance was killed
+        # under it (nginx does not retry a POST elsewhere).
+        for a in history.answers:
+            nginx_502 = a.status == 502 and "nginx" in str(a.body.get("text", ""))
+            if a.status not in {0, 200, 202, 500, 503, 504} and not nginx_502:
+                found.append(f"{a.job}: answered {a.status} {a.body}")
+            if a.status in {500, 504} and "run_id" not in a.body:
+                found.append(f"{a.job}: answered {a.status} without a run id: {a.body}")
+        found += overlaps(dict(e) for e in effects)
+        found += await lease_violations(db)
+        # Nothing left behind once faults stop.
+        deadline = time.monotonic() + 15 + GRACEFUL_SHUTDOWN_TIMEOUT
+        while left := await leftovers(db, cluster):
+            if time.monotonic() > deadline:
+                found.append(f"left behind: {left}")
+                break
+            await asyncio.sleep(0.2)
+        running = await db.fetchval("SELECT count(*) FROM cronlock.runs WHERE status = 'running'")
+        if running:
+            found.append(f"{running} runs left 'running'")
+    finally:
+        await db.close()
+    return found

@@ -1,0 +1,297 @@
+"""Following the primary (a multi-host DATABASE_URL, host by host) and refusing a stale one
+(the timeline guard), on real PostgreSQL servers: a primary, streaming standbys of it, and
+real signals (SIGSTOP: a server that accepts TCP and never answers)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from app import db as dbmod
+from app.primary import parse_timeline, split_hosts
+from app.schema import migrate, migration_sets
+from app.settings import Settings
+from tests.support import TEST_SECRET
+from tests.support.asgi import StartApp
+from tests.support.delivery import API_KEY, until
+from tests.support.postgres import ScratchPostgres, children_of, create_database, start_standby
+from tests.support.provider import Provider
+from tests.util import AUTH
+
+DBNAME = "failover"
+
+
+def multi_host(*servers: ScratchPostgres) -> str:
+    hosts = ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    return f"postgresql://postgres@{hosts}/{DBNAME}?target_session_attrs=read-write"
+
+
+@contextlib.contextmanager
+def frozen(server: ScratchPostgres) -> Iterator[None]:
+    """SIGSTOP the postmaster: the kernel still accepts connections, nobody answers."""
+    pid = server.postmaster_pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def root() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cronlock-fo-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def new_primary(path: Path) -> ScratchPostgres:
+    """A primary of its own (tests here promote its standbys or kill it), with a migrated
+    database holding the demo's users."""
+    server = ScratchPostgres(path)
+    server.start()
+    await create_database(server.dsn(), DBNAME)
+    conn = await asyncpg.connect(server.dsn(DBNAME))
+    try:
+        await migrate(conn, "cronlock", migration_sets(["app.demo.digest"]))
+        await conn.execute(
+            "INSERT INTO cronlock_demo.users (email) "
+            "SELECT 'user' || i || '@example.com' FROM generate_series(1, 5) AS i"
+        )
+    finally:
+        await conn.close()
+    return server
+
+
+@pytest.fixture(scope="module")
+async def primary(root: Path) -> AsyncIterator[ScratchPostgres]:
+    server = await new_primary(root / "primary")
+    try:
+        yield server
+    finally:
+        server.stop("immediate")
+
+
+@pytest.fixture
+def standby(primary: ScratchPostgres, root: Path) -> Iterator[ScratchPostgres]:
+    path = root / f"standby-{time.monotonic_ns()}"
+    server = start_standby(primary, path)
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            pid = server.postmaster_pid()
+            if pid is not None:
+                os.kill(pid, signal.SIGCONT)
+        server.stop("immediate")
+        shutil.rmtree(path, ignore_errors=True)
+
+
+async def trigger(client: httpx.AsyncClient, url: str, job: str = "fast") -> httpx.Response:
+    return await client.post(f"{url}/cron/{job}", headers=AUTH, timeout=30)
+
+
+def test_split_hosts() -> None:
+    assert split_hosts("postgresql://u:p@a:5432,[::1]:5433,c/db?x=1") == [
+        ("a", 5432),
+        ("::1", 5433),
+        ("c", None),
+    ]
+    assert split_hosts("postgresql:///db?host=/run/postgresql") == [("", None)]
+    assert parse_timeline("000000020000000000000003") == 2
+    assert parse_timeline("0000001A0000000000000003") == 26
+    assert parse_timeline(None) is None
+
+
+@pytest.mark.slow
+async def test_connect_skips_a_frozen_first_host(
+    primary: ScratchPostgres, standby: ScratchPostgres
+) -> None:
+    """asyncpg alone puts one timeout around the whole host list: the frozen first host would
+    use it up. Host by host, the second host is reached within the first one's timeout."""
+    url = multi_host(standby, primary)
+    settings = Settings(_env_file=None, database_url=url, db_connect_timeout=1.0)
+    with frozen(standby):
+        start = time.monotonic()
+        conn = await dbmod.connect(settings)
+        took = time.monotonic() - start
+        try:
+            assert not await conn.fetchval("SELECT pg_is_in_recovery()")
+            assert await conn.fetchval("SELECT inet_server_port()") == primary.port
+        finally:
+            await conn.close()
+        assert 0.9 < took < 3.0, took
+        # asyncpg's own multi-host connect, for comparison: nothing connects.
+        with pytest.raises(TimeoutError):
+            await asyncpg.connect(url, timeout=1.0)
+
+
+@pytest.mark.slow
+async def test_instance_follows_the_primary_past_a_frozen_host(
+    primary: ScratchPostgres,
+    standby: ScratchPostgres,
+    start_app: StartApp,
+    client: httpx.AsyncClient,
+) -> None:
+    """An instance whose first host is a frozen server serves jobs from the second, and once
+    one connect attempt gave up on the frozen host (even one the pool's acquire timeout
+    cancelled), new connections start with the host that works."""
+    url = multi_host(standby, primary)
+    with frozen(standby):
+        # A connect timeout longer than the acquire timeout: the first acquire is cancelled
+        # while waiting on the frozen host.
+        app = await start_app(
+            "follower", database_url=url, db_connect_timeout=5.0, db_acquire_timeout=1.5
+        )
+        answers = [await trigger(client, app.url) for _ in range(5)]
+        codes = [a.status_code for a in answers]
+        assert codes[-1] == 200, [a.text for a in answers]
+        # At most the first trigger waited on the frozen host (503, acquire timed out).
+        assert codes.count(503) <= 1, codes
+        assert (await client.get(f"{app.url}/readyz")).status_code == 200
+
+
+@pytest.mark.slow
+async def test_stale_primary_is_refused(
+    primary: ScratchPostgres,
+    standby: ScratchPostgres,
+    start_app: StartApp,
+    client: httpx.AsyncClient,
+) -> None:
+    """The standby is promoted (timeline 2) while the old primary (timeline 1) keeps running,
+    unfenced: two primaries. An instance that ran a job on the new one refuses the old one
+    when it is all it can reach; an instance started since cannot know (the guard's limit)."""
+    promoted = await asyncpg.connect(standby.dsn(DBNAME))
+    try:
+        assert await promoted.fetchval("SELECT pg_promote(wait => true)")
+        walfile = await promoted.fetchval("SELECT pg_walfile_name(pg_current_wal_lsn())")
+    finally:
+        await promoted.close()
+    assert parse_timeline(walfile) == 2
+    url = multi_host(primary, standby)  # the old primary first, as measured in the issue
+    with frozen(primary):
+        app = await start_app("saw-new", database_url=url, db_connect_timeout=1.0)
+        first = await trigger(client, app.url)
+        assert first.status_code == 200, first.text
+    # The old primary is back (thawed) and the new one goes away: reconnecting, the instance
+    # can reach only the old primary.
+    standby.stop("fast")
+    # Pooled connections to the new primary die first (503 "connection lost"), then the
+    # instance reconnects and finds only the old primary.
+    answers = [await trigger(client, app.url) for _ in range(4)]
+    assert [a.status_code for a in answers] == [503] * 4, [a.text for a in answers]
+    answer = answers[-1]
+    reason = answer.json()["reason"]
+    for said in ("stale primary", "timeline 1", "timeline 2"):
+        assert said in reason
+    for leak in (TEST_SECRET, "Traceback", "asyncpg"):
+        assert leak not in answer.text
+    ready = await client.get(f"{app.url}/readyz")
+    assert ready.status_code == 503
+    # What the guard cannot catch: an instance that never saw timeline 2 runs there.
+    fresh = await start_app("never-saw", database_url=url, db_connect_timeout=1.0)
+    assert (await trigger(client, fresh.url)).status_code == 200
+
+
+async def connect_retrying(dsn: str) -> asyncpg.Connection:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return await asyncpg.connect(dsn)
+        except (OSError, asyncpg.PostgresError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+def walreceiver(standby: ScratchPostgres) -> int:
+    pid = standby.postmaster_pid()
+    assert pid is not None
+    for child in children_of(pid):
+        with contextlib.suppress(OSError):
+            if b"walreceiver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    raise AssertionError("no walreceiver")
+
+
+@pytest.mark.slow
+async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_their_keys(
+    root: Path, start_app: StartApp, client: httpx.AsyncClient, provider: Provider
+) -> None:
+    """Asynchronous replication, a standby behind (its walreceiver frozen): the digest answered
+    200 and its emails delivered on the old primary, which then dies. The promoted standby never
+    had that run: the slot runs again there, and its emails carry the same idempotency keys, so
+    the provider (which honours keys) delivers each once."""
+    old = await new_primary(root / f"lossy-{time.monotonic_ns()}")
+    new = start_standby(old, root / f"lossy-standby-{time.monotonic_ns()}")
+    try:
+        url = multi_host(old, new)
+        app = await start_app(
+            "lossy",
+            database_url=url,
+            db_connect_timeout=1.0,
+            cron_jobs="app.demo.digest",
+            outbox_enabled=True,
+            email_backend="http",
+            email_api_url=provider.url,
+            email_api_key=API_KEY,
+            outbox_rate_limit=0,
+            outbox_poll_interval=0.1,
+            outbox_shutdown_timeout=1.0,
+        )
+        receiver = walreceiver(new)
+        os.kill(receiver, signal.SIGSTOP)
+        first = await trigger(client, app.url, "daily-digest")
+        assert first.status_code == 200, first.text
+        assert first.json()["processed"] == 5
+        # Polled, not provider.wait: the app's sender runs on this event loop.
+        await until(lambda: len(provider.delivered()) == 5, 10, "the first digest's emails")
+        keys = set(provider.delivered())
+        old.kill()
+        # Killed, not resumed: the WAL waiting in its socket's buffer must never be read.
+        # The standby's postmaster restarts its processes (recovery from its own WAL).
+        os.kill(receiver, signal.SIGKILL)
+        new.wait_ready()
+        promoted = await connect_retrying(new.dsn(DBNAME))
+        try:
+            assert await promoted.fetchval("SELECT pg_promote(wait => true)")
+            # The run answered 200 is not there: lost with the old primary.
+            assert await promoted.fetchval("SELECT count(*) FROM cronlock.runs") == 0
+        finally:
+            await promoted.close()
+        again = await trigger(client, app.url, "daily-digest")
+        for _ in range(10):
+            if again.status_code == 200:
+                break
+            again = await trigger(client, app.url, "daily-digest")
+        assert again.status_code == 200, again.text
+        assert again.json()["processed"] == 5  # the slot ran again
+        assert again.json()["slot"] == first.json()["slot"]
+        conn = await asyncpg.connect(new.dsn(DBNAME))
+        try:
+            requeued = {
+                r["idempotency_key"]
+                for r in await conn.fetch("SELECT idempotency_key FROM cronlock.email_outbox")
+            }
+        finally:
+            await conn.close()
+        assert requeued == keys
+        await until(
+            lambda: all(len(provider.for_key(k)) >= 2 for k in keys), 10, "the re-sent emails"
+        )
+        # Sent twice, delivered once each.
+        assert provider.delivered() == {key: 1 for key in keys}
+    finally:
+        new.stop("immediate")
+        old.stop("immediate")
