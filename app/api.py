@@ -19,7 +19,7 @@ from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Valid
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import routes
+from app import control, routes
 from app.auth import route_path
 from app.deps import DatabaseDep, SettingsDep, error
 from app.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
@@ -285,6 +285,7 @@ def is_read_route(name: str) -> bool:
 def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
     app.include_router(health_router)
     app.include_router(routes.router)
+    app.include_router(control.router)
     app.include_router(job_router(registry, settings))
 
     # Anything under /cron/ that is not a route: an unknown job (404), or a known job asked

@@ -1,7 +1,12 @@
-"""Catching up: a `catch_up=True` job whose due slot was missed (no scheduled or backfill run
-was even attempted for it) runs it once, as a backfill, from any instance; a background loop
-of each service instance looks every CATCH_UP_INTERVAL seconds, and `python -m app catch-up`
-does it once.
+"""Catching up: missed slots (no scheduled or backfill run was even attempted for them) of a
+job with a missed-slot policy run as backfills, from any instance; a background loop of each
+service instance looks every CATCH_UP_INTERVAL seconds, and `python -m app catch-up` does it
+once.
+
+Policies (`@job(missed=...)`): `latest` (what `catch_up=True` is, and always was) runs the due
+slot once when it was missed; `all` runs every missed slot, oldest first, within the backfill
+window and `max_lateness`, never before the job's first run, at most MAX_ALL_TICKS ticks back
+per pass; `none` (the default) leaves them overdue for a person.
 """
 
 from __future__ import annotations
@@ -9,15 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from app import ledger
+from app.db import Conn
 from app.errors import DRIVER_ERRORS, DatabaseUnavailable, InvalidTrigger, translate
 from app.jobs import Job
 from app.lock import internal_lock
 from app.ops import CATCH_UP, due_slot, is_overdue
 from app.outcome import Outcome
 from app.runner import Runner
+from app.settings import Settings
 
 log = logging.getLogger("cronlock.catchup")
 
@@ -29,12 +36,57 @@ SELECT set_config('idle_in_transaction_session_timeout', $3, true),
 """
 
 
+# How far back (in ticks) one pass of the `all` policy looks: an every=1 job down for a day
+# would otherwise walk 86,400 ticks at each pass.
+MAX_ALL_TICKS = 1000
+_TINY = timedelta(microseconds=1)
+
+
+def recent_ticks(
+    job: Job, now: datetime, first: datetime | None, backfill_window: float
+) -> list[datetime]:
+    """The ticks the `all` policy considers, oldest first: from the due slot back, within the
+    backfill window and `max_lateness`, not before `first` (the job's first run)."""
+    due = due_slot(job, now)
+    if due is None or job.schedule is None:
+        return []
+    reach = backfill_window if job.max_lateness is None else min(backfill_window, job.max_lateness)
+    oldest = now - timedelta(seconds=reach)
+    # A job that never ran missed nothing before its due slot.
+    oldest = max(oldest, due if first is None else first)
+    ticks: list[datetime] = []
+    tick = due
+    while tick >= oldest and len(ticks) < MAX_ALL_TICKS:
+        ticks.append(tick)
+        tick = job.schedule.prev_tick(tick - _TINY)
+    return ticks[::-1]
+
+
+async def _missed(
+    conn: Conn, job: Job, now: datetime, last_success: datetime | None, settings: Settings
+) -> list[datetime]:
+    """The slots `job`'s policy runs now, oldest first."""
+    schema = settings.db_schema
+    if job.missed_policy == "all":
+        ticks = recent_ticks(
+            job, now, await ledger.first_slot(conn, schema, job.name), settings.backfill_window
+        )
+        if not ticks:
+            return []
+        done = await ledger.attempted_slots(conn, schema, job.name, ticks[0])
+        return [t for t in ticks if t not in done]
+    slot = missed_slot(job, now, last_success, settings.backfill_window)
+    if slot is None or await ledger.slot_attempted(conn, schema, job.name, slot):
+        return []
+    return [slot]
+
+
 def missed_slot(
     job: Job, now: datetime, last_success: datetime | None, backfill_window: float
 ) -> datetime | None:
     """The slot a `catch_up` job should still run: overdue, young enough to backfill, and not
     later than the job's own `max_lateness` allows."""
-    if not job.catch_up or not is_overdue(job, now, last_success):
+    if job.missed_policy == "none" or not is_overdue(job, now, last_success):
         return None
     slot = due_slot(job, now)
     assert slot is not None
@@ -45,7 +97,8 @@ def missed_slot(
 
 
 async def catch_up(runner: Runner) -> list[Outcome]:
-    """Run the missed slot of each job that opted in (`catch_up=True`), at most once per slot.
+    """Run the missed slots of each job with a policy (`missed=`, `catch_up=True`), at most once
+    per slot.
 
     "Missed" means no scheduled or backfill run was even attempted for the due slot; a slot
     whose run failed stays overdue for a person to look at. The slot runs as a backfill, so
@@ -76,18 +129,23 @@ async def catch_up(runner: Runner) -> list[Outcome]:
                 conn, settings.db_schema, [j.name for j in chosen]
             )
             for job in chosen:
-                slot = missed_slot(job, now, succeeded.get(job.name), settings.backfill_window)
-                if slot is None or await ledger.slot_attempted(
-                    conn, settings.db_schema, job.name, slot
-                ):
-                    continue
-                log.info(
-                    "catching up %s", job.name, extra={"job": job.name, "slot": slot.isoformat()}
-                )
-                try:
-                    outcomes.append(await runner.trigger(job, slot=slot, source="catch-up"))
-                except InvalidTrigger as exc:
-                    log.warning("cannot catch up %s: %s", job.name, exc.args[0])
+                for slot in await _missed(conn, job, now, succeeded.get(job.name), settings):
+                    log.info(
+                        "catching up %s",
+                        job.name,
+                        extra={"job": job.name, "slot": slot.isoformat()},
+                    )
+                    try:
+                        outcome = await runner.trigger(job, slot=slot, source="catch-up")
+                    except InvalidTrigger as exc:
+                        log.warning("cannot catch up %s: %s", job.name, exc.args[0])
+                        continue
+                    outcomes.append(outcome)
+                    if outcome.kind == "skipped" and outcome.reason in (
+                        "paused",
+                        "already running",
+                    ):
+                        break  # the job's other slots wait for the next pass
     except DRIVER_ERRORS as exc:
         raise translate(exc) from exc
     return outcomes

@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=cmd_run)
 
     add_ops_commands(sub)
+    add_pause_commands(sub)
     return parser
 
 
@@ -418,15 +419,17 @@ def add_ops_commands(sub: Any) -> None:
     trigger.set_defaults(handler=cmd_trigger)
 
     cancel = sub.add_parser(
-        "cancel", help="cancel the running holder's statement (pg_cancel_backend); it rolls back"
+        "cancel",
+        help="stop a running job: its holder cancels it and rolls back (after CANCEL_GRACE, "
+        "the database cancels or terminates the holder's backend)",
     )
     cancel.add_argument("job", type=job_name)
     cancel.add_argument("--key", type=KEY, help="a keyed job's run to cancel (its key)")
     cancel.add_argument(
         "--terminate",
         action="store_true",
-        help="end the holder's session instead (pg_terminate_backend), e.g. when it is idle "
-        "in its transaction between statements",
+        help="end the holder's session at once (pg_terminate_backend, only while it still "
+        "holds the lock) instead of asking the holder",
     )
     cancel.add_argument(
         "--wait", type=inputs.seconds, default=10.0, help="seconds to wait for the lock to go"
@@ -487,6 +490,23 @@ def add_ops_commands(sub: Any) -> None:
     )
     catch_up.add_argument("--json", action="store_true")
     catch_up.set_defaults(handler=cmd_catch_up)
+
+
+def add_pause_commands(sub: Any) -> None:
+    pause = sub.add_parser("pause", help="pause a job on every instance (force=true still runs it)")
+    pause.add_argument("job", type=job_name)
+    pause.add_argument(
+        "--until", type=inputs.timestamp, help="resume on its own then (ISO time with offset)"
+    )
+    pause.add_argument("--note", type=inputs.text(500), help="why (shown in `jobs`)")
+    pause.add_argument("--by", type=inputs.text(200), help="who (default: user@host)")
+    pause.add_argument("--json", action="store_true", help="print JSON (as the HTTP route)")
+    pause.set_defaults(handler=cmd_pause)
+
+    resume = sub.add_parser("resume", help="resume a paused job")
+    resume.add_argument("job", type=job_name)
+    resume.add_argument("--json", action="store_true", help="print JSON (as the HTTP route)")
+    resume.set_defaults(handler=cmd_resume)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -604,7 +624,7 @@ async def cmd_jobs(args: argparse.Namespace, settings: Settings) -> int:
                 _ms(last.duration_ms) if last else None,
                 running,
                 _when(j.next_slot),
-                "OVERDUE" if j.overdue else ("no" if j.schedule else None),
+                _late(j),
             ]
         )
     headers = [
@@ -621,6 +641,17 @@ async def cmd_jobs(args: argparse.Namespace, settings: Settings) -> int:
     print(_table(headers, rows))
     print(f"(database time {_when(view.now)})")
     return EXIT_OK
+
+
+def _late(j: Any) -> str | None:
+    """The jobs table's LATE column: paused, waiting for a retry, overdue, or not."""
+    if j.paused:
+        return "PAUSED"
+    if j.retry:
+        return f"retry {j.retry.retry}/{j.retry.of} at {_when(j.retry.at)}"
+    if j.overdue:
+        return "OVERDUE"
+    return "no" if j.schedule else None
 
 
 async def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
@@ -779,6 +810,7 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
             terminate=args.terminate,
             wait=args.wait,
             key=args.key,
+            by=_operator(),
         )
     if done is None:
         which = args.job if args.key is None else f"{args.job} key {args.key}"
@@ -790,7 +822,9 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
         "instance": first.instance,
         "run_id": first.run_id,
         "key": first.job_key,
-        "signal": "terminate" if args.terminate else "cancel",
+        # holder: the holder cancelled its job on request; cancel / terminate: the database-side
+        # fallback (or --terminate); none: nothing reached it.
+        "signal": done.how,
         "released": done.released,
         "run": run.model_dump(mode="json") if run is not None else None,
     }
@@ -805,19 +839,78 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
         )
     elif done.released:
         status = run.status if run is not None else "unknown"
+        how = {
+            "holder": f"cancelled by its holder on {first.instance}",
+            "cancel": f"pg_cancel_backend sent to pid {first.pid} on {first.instance}",
+            "terminate": f"pg_terminate_backend sent to pid {first.pid} on {first.instance}",
+        }.get(done.how, "ended")
+        print(f"{args.job}: {how}; lock released; run {first.run_id} recorded as {status}")
+    else:
         print(
-            f"{args.job}: {result['signal']} sent to pid {first.pid} on {first.instance}; "
-            f"lock released; run {first.run_id} recorded as {status}"
-        )
-    elif not done.signalled:
-        print(
-            f"{args.job}: pid {first.pid} on {first.instance} ran no statement for {args.wait:g} s "
-            "(idle in transaction): a cancel only reaches a running statement; use --terminate",
+            f"{args.job}: asked ({done.how}), but pid {first.pid} on {first.instance} still "
+            f"holds the lock after {args.wait:g} s",
             file=sys.stderr,
         )
-    else:
-        print(f"{args.job}: signal sent to pid {first.pid}, lock still held", file=sys.stderr)
     return EXIT_OK if done.released else EXIT_FAILED
+
+
+def _operator() -> str:
+    """Who runs this command, for `pause` and `cancel` to record: CRONLOCK_OPERATOR (from the
+    process environment), else user@host."""
+    import getpass
+    import socket
+
+    named = os.environ.get("CRONLOCK_OPERATOR", "").strip()
+    if named:
+        return named
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container's)
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+async def cmd_pause(args: argparse.Namespace, settings: Settings) -> int:
+    from app import pause
+    from app.errors import InvalidTrigger
+
+    registry = _load_registry(settings)
+    if args.job not in registry:
+        return _fail(f"unknown job {args.job!r}; known: {', '.join(registry)}", EXIT_USAGE)
+    async with _connection(settings) as conn:
+        try:
+            state = await pause.pause(
+                conn,
+                settings.db_schema,
+                args.job,
+                by=args.by or _operator(),
+                note=args.note,
+                until=args.until,
+            )
+        except InvalidTrigger as exc:
+            return _fail(str(exc.args[0]), EXIT_USAGE)
+    if args.json:
+        _print_json({"job": args.job, "paused": state.model_dump(mode="json")})
+        return EXIT_OK
+    until = f"until {_when(state.until)}" if state.until else "until resumed"
+    note = f" ({state.note})" if state.note else ""
+    print(f"{args.job}: paused by {state.by} since {_when(state.at)}, {until}{note}")
+    return EXIT_OK
+
+
+async def cmd_resume(args: argparse.Namespace, settings: Settings) -> int:
+    from app import pause
+
+    registry = _load_registry(settings)
+    if args.job not in registry:
+        return _fail(f"unknown job {args.job!r}; known: {', '.join(registry)}", EXIT_USAGE)
+    async with _connection(settings) as conn:
+        was = await pause.resume(conn, settings.db_schema, args.job)
+    if args.json:
+        _print_json({"job": args.job, "paused": None, "was_paused": was})
+    else:
+        print(f"{args.job}: resumed" if was else f"{args.job}: was not paused")
+    return EXIT_OK
 
 
 async def cmd_outbox_dead(args: argparse.Namespace, settings: Settings) -> int:

@@ -10,6 +10,12 @@ module writes that something's configuration:
 - `vercel`: the `crons` of `vercel.json` (UTC only; Vercel sends GET with the secret itself);
 - `compose`: the `scheduler` service of `docker-compose.yml` (a POSIX shell loop around curl).
 
+Interval jobs (`every=`) are exported as the cron expression with exactly their ticks when
+there is one (`every=300` is `*/5 * * * *`); any other interval (every 30 s, every 7 min) has
+no cron form, so it is left out with a note saying so: the built-in scheduler
+(SCHEDULER_ENABLED=true) runs it. A "nearest" cron entry would run some slots and leave the
+others overdue.
+
 Schedulers without time zones get, for a job in a zone with daylight saving, entries for each
 UTC offset the zone has in the coming year (`utc_lines`); the header of each file says why the
 extra entries do no harm.
@@ -28,7 +34,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from app.jobs import Job, Registry
-from app.schedule import Fields, Schedule
+from app.schedule import Fields, Interval, Schedule
 
 Format = Literal["crontab", "kubernetes", "vercel", "compose"]
 FORMATS: tuple[Format, ...] = ("crontab", "kubernetes", "vercel", "compose")
@@ -219,7 +225,7 @@ def _merge(lines: list[CronLine]) -> list[CronLine]:
 
 
 def _is_utc(job: Job, start: datetime) -> bool:
-    assert job.schedule is not None
+    assert isinstance(job.schedule, Schedule)  # intervals are written as cron (`as_cron`)
     return zone_offsets(job.schedule, start) == [timedelta(0)]
 
 
@@ -231,7 +237,7 @@ def _offset_label(offset: timedelta) -> str:
 
 def job_lines(job: Job, start: datetime, *, split_days: bool = False) -> list[str]:
     """The UTC cron expressions that trigger `job`."""
-    assert job.schedule is not None
+    assert isinstance(job.schedule, Schedule)  # intervals are written as cron (`as_cron`)
     if _is_utc(job, start):
         fields = job.schedule.fields
         line = CronLine(frozenset(), frozenset(), *_text_fields(fields))
@@ -254,7 +260,7 @@ def _scheduled(registry: Registry) -> list[Job]:
 
 
 def _describe(job: Job, start: datetime) -> str:
-    assert job.schedule is not None
+    assert isinstance(job.schedule, Schedule)  # intervals are written as cron (`as_cron`)
     offsets = zone_offsets(job.schedule, start)
     zone = f"{job.schedule.tz} ({' / '.join(_offset_label(o) for o in offsets)})"
     return f"{job.name}: `{job.schedule.expr}` in {zone}, timeout {job.timeout:g} s"
@@ -262,7 +268,7 @@ def _describe(job: Job, start: datetime) -> str:
 
 def _lateness_note(job: Job, start: datetime) -> str | None:
     """A warning for a zoned job whose extra entries could run a missed slot late."""
-    assert job.schedule is not None
+    assert isinstance(job.schedule, Schedule)  # intervals are written as cron (`as_cron`)
     offsets = zone_offsets(job.schedule, start)
     if len(offsets) < 2:
         return None
@@ -353,7 +359,7 @@ def kubernetes(
     ]
     docs = []
     for job in _scheduled(registry):
-        assert job.schedule is not None
+        assert isinstance(job.schedule, Schedule)  # intervals are written as cron (`as_cron`)
         header.append(f"# {_describe(job, start)}")
         script = (
             "umask 077 && "
@@ -544,6 +550,29 @@ def compose(registry: Registry, *, url: str, image: str, start: datetime) -> str
     return COMPOSE_HEADER + to_yaml({"services": {"scheduler": service}})
 
 
+def as_cron(registry: Registry) -> tuple[Registry, list[str]]:
+    """The registry with each interval job written as its exact cron expression, and those
+    without one left out; with a note for each."""
+    jobs: dict[str, Job] = {}
+    notes: list[str] = []
+    for name, job in registry.items():
+        if isinstance(job.schedule, Interval):
+            cron = job.schedule.cron
+            if cron is None:
+                notes.append(
+                    f"{name}: every {job.schedule.every} s has no cron form (cron counts whole "
+                    "minutes dividing an hour, or hours dividing a day): not exported; the "
+                    "built-in scheduler runs it (SCHEDULER_ENABLED=true, docs/triggering.md)"
+                )
+                continue
+            notes.append(
+                f"{name}: every {job.schedule.every} s exported as `{cron}` (the same ticks)"
+            )
+            job = replace(job, schedule=Schedule(cron, "UTC"))
+        jobs[name] = job
+    return Registry(jobs, registry.namespace, registry.schema), notes
+
+
 # --- entry point ------------------------------------------------------------------------------
 
 
@@ -561,6 +590,8 @@ def export(
     start = start or datetime.now(UTC)
     base = url or DEFAULT_URLS[fmt]
     notes = [f"{j.name}: no schedule, not exported" for j in registry.values() if not j.schedule]
+    registry, interval_notes = as_cron(registry)
+    notes += interval_notes
     if fmt == "crontab":
         return crontab(registry, url=base, header_file=header_file, start=start), notes
     if fmt == "kubernetes":

@@ -35,7 +35,7 @@ from app.db import Conn
 from app.errors import InvalidTrigger, JobDefinitionError, LeaseLost, RunCancelled
 from app.inputs import json_problem, text_problem
 from app.lock import LockKey, job_lock, lock_key
-from app.schedule import Schedule, ScheduleError
+from app.schedule import Interval, Schedule, ScheduleError, Slots
 from app.settings import Settings
 
 __all__ = [
@@ -54,6 +54,11 @@ RESERVED_NAMES = frozenset({"jobs", "runs", "locks"})
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 Trigger = Literal["scheduled", "manual", "backfill"]
+# What happens to slots nobody triggered (every instance down, a scheduler that did not fire):
+# `latest` runs the most recent one once (what `catch_up=True` always did), `all` each of them
+# in order within the backfill window, `none` leaves them (overdue, for a person to look at).
+Missed = Literal["latest", "all", "none"]
+MISSED_POLICIES: tuple[Missed, ...] = ("latest", "all", "none")
 
 # The types a key field may have: those with one stable text form (str as is, int in decimal).
 # A float ("1.0" or "1"?), a datetime (which offset?) or a model would lock different texts
@@ -136,7 +141,7 @@ JobFunc = Callable[[JobContext], Coroutine[Any, Any, Any]]
 class Job:
     name: str
     func: JobFunc
-    schedule: Schedule | None = None
+    schedule: Slots | None = None  # a cron expression in a zone, or an interval (`every=`)
     timeout: float = 60.0
     # A trigger up to this many seconds before a tick counts for that tick (clock skew);
     # capped at half the schedule's interval.
@@ -144,12 +149,31 @@ class Job:
     max_lateness: float | None = None
     # How long after a tick a missing succeeded run makes the job `overdue`.
     grace: float = 300.0
+    # True when `missed` is `latest` or `all`: the catch-up loop looks after this job.
     catch_up: bool = False
     params: type[BaseModel] | None = None
     description: str = ""
     module: str = ""
     # The params field whose value is the run's key (keyed jobs), else None.
     key: str | None = None
+    # None: "latest" with catch_up, else "none" (a Job built without the decorator).
+    missed: Missed | None = None
+    # Retries cronlock owns (app/retries.py): how many more attempts a failed, timed-out or
+    # abandoned scheduled or backfill run gets for its slot, the first after `retry_delay`
+    # seconds, doubling after each.
+    retries: int = 0
+    retry_delay: float = 30.0
+    # Alerts (app/alerts.py): this job's Healthchecks.io-style ping URL and webhook URL; None
+    # falls back to ALERT_PING_URL / ALERT_WEBHOOK_URL.
+    ping_url: str | None = None
+    webhook_url: str | None = None
+
+    @property
+    def missed_policy(self) -> Missed:
+        if self.missed is not None:
+            return self.missed
+        return "latest" if self.catch_up else "none"
+
     # Lease mode: the lease's length in seconds (app/lease.py); None runs in one transaction.
     lease: float | None = None
 
@@ -201,6 +225,7 @@ def job(
     *,
     schedule: str | None = None,
     tz: str = "UTC",
+    every: float | None = None,
     timeout: float = 60.0,
     early_tolerance: float = 5.0,
     max_lateness: float | None = None,
@@ -208,6 +233,11 @@ def job(
     catch_up: bool = False,
     params: type[BaseModel] | None = None,
     key: str | None = None,
+    missed: Missed | None = None,
+    retries: int = 0,
+    retry_delay: float = 30.0,
+    ping_url: str | None = None,
+    webhook_url: str | None = None,
     lease: float | None = None,
 ) -> Callable[[JobFunc], JobFunc]:
     """Declare a job. Jobs are collected from the modules named in the CRON_JOBS setting."""
@@ -221,10 +251,26 @@ def job(
         raise JobDefinitionError(f"job {name!r}: timeout must be positive")
     if early_tolerance < 0 or (max_lateness is not None and max_lateness <= 0):
         raise JobDefinitionError(f"job {name!r}: tolerances must be positive")
+    if every is not None and schedule is not None:
+        raise JobDefinitionError(f"job {name!r}: give schedule= or every=, not both")
+    if every is not None and tz != "UTC":
+        raise JobDefinitionError(f"job {name!r}: every= counts seconds in UTC; drop tz={tz!r}")
     try:
-        parsed = Schedule.parse(schedule, tz) if schedule is not None else None
+        parsed: Slots | None = (
+            Interval.parse(every)
+            if every is not None
+            else Schedule.parse(schedule, tz)
+            if schedule is not None
+            else None
+        )
     except ScheduleError as exc:
         raise JobDefinitionError(f"job {name!r}: {exc}") from exc
+    policy = _missed_policy(name, missed, catch_up, parsed is not None)
+    catch_up = policy != "none"
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
+        raise JobDefinitionError(f"job {name!r}: retries must be a whole number from 0 to 100")
+    if not retry_delay > 0:
+        raise JobDefinitionError(f"job {name!r}: retry_delay must be positive")
     if lease is not None and not 0 < lease <= timeout:
         raise JobDefinitionError(
             f"job {name!r}: lease must be positive and at most the timeout ({timeout} s), "
@@ -254,6 +300,11 @@ def job(
             description=(func.__doc__ or "").strip().split("\n")[0],
             module=func.__module__,
             key=key,
+            missed=policy,
+            retries=retries,
+            retry_delay=retry_delay,
+            ping_url=ping_url,
+            webhook_url=webhook_url,
             lease=lease,
         )
         previous = _DECLARED.get(name)
@@ -265,6 +316,24 @@ def job(
         return func
 
     return register
+
+
+def _missed_policy(name: str, missed: Missed | None, catch_up: bool, scheduled: bool) -> Missed:
+    """`missed=` as given, or what `catch_up` always meant; both only when they agree."""
+    if missed is not None and missed not in MISSED_POLICIES:
+        raise JobDefinitionError(
+            f"job {name!r}: missed={missed!r}: choose one of {', '.join(MISSED_POLICIES)}"
+        )
+    if catch_up and missed not in (None, "latest"):
+        raise JobDefinitionError(
+            f"job {name!r}: catch_up=True is missed='latest'; drop catch_up to use "
+            f"missed={missed!r}"
+        )
+    policy: Missed = missed or ("latest" if catch_up else "none")
+    # (catch_up=True without a schedule was always accepted, and ignored: still so.)
+    if missed not in (None, "none") and not scheduled:
+        raise JobDefinitionError(f"job {name!r}: missed={policy!r} needs a schedule or every=")
+    return policy
 
 
 @dataclass(frozen=True)

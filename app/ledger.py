@@ -314,3 +314,101 @@ SELECT EXISTS (
 async def slot_attempted(conn: Conn | asyncpg.Pool, schema: str, job: str, slot: datetime) -> bool:
     """Whether any scheduled or backfill run, whatever its outcome, was made for this slot."""
     return bool(await conn.fetchval(qualify(SLOT_ATTEMPTED_SQL, schema), job, slot))
+
+
+# The missed-slot policy `all` (app/catchup.py): which recent slots have any attempt, and
+# where the job's history starts (slots before its first run were never missed).
+ATTEMPTED_SINCE_SQL = """
+SELECT DISTINCT slot FROM {schema}.runs
+WHERE job = $1 AND slot >= $2 AND trigger IN ('scheduled', 'backfill')
+"""
+FIRST_SLOT_SQL = """
+SELECT min(slot) FROM {schema}.runs WHERE job = $1 AND trigger IN ('scheduled', 'backfill')
+"""
+
+
+async def attempted_slots(
+    conn: Conn | asyncpg.Pool, schema: str, job: str, since: datetime
+) -> set[datetime]:
+    """Slots from `since` on with a scheduled or backfill run, whatever its outcome."""
+    rows = await conn.fetch(qualify(ATTEMPTED_SINCE_SQL, schema), job, since)
+    return {r["slot"] for r in rows}
+
+
+async def first_slot(conn: Conn | asyncpg.Pool, schema: str, job: str) -> datetime | None:
+    """The oldest slot the ledger has a scheduled or backfill run for."""
+    found: datetime | None = await conn.fetchval(qualify(FIRST_SLOT_SQL, schema), job)
+    return found
+
+
+# --- retries (app/retries.py) ------------------------------------------------------------
+
+RETRIED_SQL = "SELECT EXISTS (SELECT 1 FROM {schema}.runs WHERE retry_of = $1)"
+
+
+async def retried(conn: Conn | asyncpg.Pool, schema: str, run_id: int) -> bool:
+    """Whether an attempt retrying `run_id` exists (the runner asks under the job's lock)."""
+    return bool(await conn.fetchval(qualify(RETRIED_SQL, schema), run_id))
+
+
+# The newest attempt of each recent (job, key, slot) that did not succeed and was not retried
+# yet, and whose slot has no success at all (a scheduler's own retry may have made one).
+LAST_FAILED_ATTEMPTS_SQL = f"""
+SELECT {COLUMNS} FROM (
+    SELECT DISTINCT ON (job, coalesce(key, ''), slot) {COLUMNS} FROM {{schema}}.runs
+    WHERE job = ANY($1::text[]) AND slot >= $2 AND trigger IN ('scheduled', 'backfill')
+      AND status <> 'running'
+    ORDER BY job, coalesce(key, ''), slot, attempt DESC, id DESC
+) AS r
+WHERE r.status IN ('failed', 'timed_out', 'abandoned')
+  AND NOT EXISTS (SELECT 1 FROM {{schema}}.runs n WHERE n.retry_of = r.id)
+  AND NOT EXISTS (
+      SELECT 1 FROM {{schema}}.runs s
+      WHERE s.job = r.job AND coalesce(s.key, '') = coalesce(r.key, '') AND s.slot = r.slot
+        AND s.status IN ('succeeded', 'running') AND s.trigger IN ('scheduled', 'backfill'))
+ORDER BY r.slot, r.id
+"""
+
+
+async def last_failed_attempts(
+    conn: Conn | asyncpg.Pool, schema: str, jobs: list[str], since: datetime
+) -> list[Run]:
+    """The attempts a retry may follow: see LAST_FAILED_ATTEMPTS_SQL; oldest slot first."""
+    rows = await conn.fetch(qualify(LAST_FAILED_ATTEMPTS_SQL, schema), jobs, since)
+    return [Run.from_record(r) for r in rows]
+
+
+# --- alerts (app/alerts.py): what started or finished since the scanner's last look ---------
+
+STARTED_SINCE_SQL = f"""
+SELECT {COLUMNS} FROM {{schema}}.runs
+WHERE started_at >= $1 AND job = ANY($2::text[]) ORDER BY id
+"""
+FINISHED_SINCE_SQL = f"""
+SELECT {COLUMNS} FROM {{schema}}.runs
+WHERE finished_at >= $1 AND job = ANY($2::text[]) AND status <> 'running' ORDER BY id
+"""
+# The outcome before this run's, of its job and key (cancelled runs say nothing of health).
+PREVIOUS_STATUS_SQL = """
+SELECT status FROM {schema}.runs
+WHERE job = $1 AND coalesce(key, '') = coalesce($3::text, '') AND id < $2
+  AND status NOT IN ('running', 'cancelled')
+ORDER BY id DESC LIMIT 1
+"""
+
+
+async def started_since(conn: Conn, schema: str, jobs: list[str], since: datetime) -> list[Run]:
+    rows = await conn.fetch(qualify(STARTED_SINCE_SQL, schema), since, jobs)
+    return [Run.from_record(r) for r in rows]
+
+
+async def finished_since(conn: Conn, schema: str, jobs: list[str], since: datetime) -> list[Run]:
+    rows = await conn.fetch(qualify(FINISHED_SINCE_SQL, schema), since, jobs)
+    return [Run.from_record(r) for r in rows]
+
+
+async def previous_status(conn: Conn, schema: str, run: Run) -> str | None:
+    found: str | None = await conn.fetchval(
+        qualify(PREVIOUS_STATUS_SQL, schema), run.job, run.id, run.key
+    )
+    return found

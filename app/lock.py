@@ -292,8 +292,10 @@ async def reset_session(
 # Migration 0005 gave the function the run's key (the ledger's done slot is per key); its
 # five-argument form stays for instances of the previous release during a rolling deploy.
 # Migration 0008 added `with_lease`: a lease job's run is running while its lease is live.
+# Migration 0010 added whether the job is paused (app/pause.py), in an eight-argument form.
 PROBE_SQL = (
-    "SELECT db_now, standby, done_slot, running FROM {schema}.probe($1, $2, $3, $4, $5, $6, $7)"
+    "SELECT db_now, standby, done_slot, running, paused"
+    " FROM {schema}.probe($1, $2, $3, $4, $5, $6, $7, true)"
 )
 
 
@@ -308,8 +310,9 @@ async def probe(
     run_key: str | None = None,
     lease: bool = False,
 ) -> asyncpg.Record:
-    """Returns `db_now`, `standby`, `done_slot` (None without a ledger look) and `running`
-    (the lock held, or for a lease job (`lease`) its live lease).
+    """Returns `db_now`, `standby`, `done_slot` (None without a ledger look), `running`
+    (the lock held, or for a lease job (`lease`) its live lease) and `paused` (when true,
+    `done_slot` and `running` are None: nothing else was read).
 
     `running` is None when `done_hint` equals `done_slot`: the slot the caller expects is done
     (if the database's clock agrees), so the lock table was not read.

@@ -13,7 +13,7 @@ from typing import TypedDict
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from app import __version__, api, catchup, logs, sender, ui
+from app import __version__, alerts, api, catchup, logs, retries, scheduler, sender, ui
 from app.auth import BearerAuth
 from app.db import Database
 from app.errors import JobDefinitionError
@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.check_secrets()
         settings.check_email()
         registry = load(settings.job_modules, settings.lock_namespace, settings.db_schema)
+        alerts.check(registry, settings)
         registry.check_leases(settings.db_query_timeout, settings.lease_margin)
     except (SettingsError, JobDefinitionError) as exc:
         if from_env:
@@ -63,6 +64,14 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
         tasks = [asyncio.create_task(db.watch(stop), name="db-watch")]
         if any(job.catch_up for job in registry.values()):
             tasks.append(asyncio.create_task(catchup.catch_up_loop(runner, stop), name="catch-up"))
+        if any(job.retries for job in registry.values()):
+            tasks.append(asyncio.create_task(retries.retry_loop(runner, stop), name="retries"))
+        if alerts.enabled(registry, settings):
+            tasks.append(asyncio.create_task(alerts.alert_loop(runner, stop), name="alerts"))
+        if settings.scheduler_enabled:
+            tasks.append(
+                asyncio.create_task(scheduler.scheduler_loop(runner, stop), name="scheduler")
+            )
         if lease_jobs:
             tasks.append(asyncio.create_task(runner.leases.watch(stop), name="lease-watch"))
         if settings.outbox_enabled:

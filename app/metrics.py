@@ -33,7 +33,7 @@ __all__ = ["CONTENT_TYPE", "Metrics"]
 
 # Finished runs; "accepted" (wait=false) is not one: the same run reports its end later.
 FINISHED = ("succeeded", "failed", "timed_out", "cancelled", "lease_lost")
-SKIP_REASONS = ("already running", "already done", "too late")
+SKIP_REASONS = ("already running", "already done", "too late", "paused", "already retried")
 
 # From a quick statement to the longest timeout worth having (an hour).
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -93,6 +93,23 @@ class Metrics:
             ["job"],
             registry=r,
         )
+        self.paused = Gauge(
+            "cronlock_job_paused",
+            "1 if the job is paused (deployment-wide, read from the database at scrape time).",
+            ["job"],
+            registry=r,
+        )
+        self.paused_for = Gauge(
+            "cronlock_job_paused_seconds",
+            "How long the job has been paused (0 when it is not; deployment-wide).",
+            ["job"],
+            registry=r,
+        )
+        self.clock_offset = Gauge(
+            "cronlock_scheduler_clock_offset_seconds",
+            "The database's clock minus this instance's, as the built-in scheduler measured it.",
+            registry=r,
+        )
         self.outbox_depth = Gauge(
             "cronlock_outbox_depth", "Emails waiting to be sent (pending).", registry=r
         )
@@ -138,6 +155,13 @@ class Metrics:
         self.overdue_jobs.set(sum(1 for late in overdue.values() if late))
         for job, slot in last_success.items():
             self.last_success.labels(job).set(slot.timestamp())
+
+    def set_paused(self, paused_for: Mapping[str, float], jobs: Iterable[str]) -> None:
+        """`paused_for`: seconds since each paused job was paused; every other job is 0."""
+        for job in jobs:
+            seconds = paused_for.get(job)
+            self.paused.labels(job).set(0 if seconds is None else 1)
+            self.paused_for.labels(job).set(seconds or 0)
 
     def set_outbox(self, stats: Mapping[str, float]) -> None:
         self.outbox_depth.set(stats.get("pending", 0))

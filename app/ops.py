@@ -35,7 +35,8 @@ from typing import Annotated, Any, Literal, get_args
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
-from app import lease, ledger, outbox
+from app import cancel as requests
+from app import lease, ledger, outbox, pause, retries
 from app.db import Conn, deadline
 from app.errors import (
     DRIVER_ERRORS,
@@ -62,6 +63,10 @@ NOW_SQL = "SELECT now()"
 CANCEL_SQL = "SELECT pg_cancel_backend($1)"
 TERMINATE_SQL = "SELECT pg_terminate_backend($1)"
 
+
+# How far back /cron/jobs looks for failed slots waiting for a retry (a retry older than this
+# is long given up by max_lateness or the backfill window in any sane configuration).
+RETRY_VIEW_WINDOW = 86400.0
 
 # The name of the lock that serialises catch-up decisions (app/catchup.py), so that `locks`
 # can name it.
@@ -190,7 +195,11 @@ class JobView(BaseModel):
     running: bool
     running_on: Holder | None  # the oldest holder, for a keyed job one of `running_keys`
     running_keys: list[Holder]  # every run in progress, with its key: which keys run where
-    overdue: bool
+    overdue: bool  # never while paused: a paused job says so in `paused` instead
+    paused: pause.Paused | None = None  # who paused it, when, why and until when (app/pause.py)
+    # Its oldest failed slot that cronlock will retry (app/retries.py): "failing, retry 2 of 3
+    # at T"; None when nothing is waiting for a retry.
+    retry: retries.RetryView | None = None
 
 
 class JobsView(BaseModel):
@@ -324,6 +333,8 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
     holders = _holders(await locks(conn, registry), registry)
     last = await ledger.last_runs(conn, registry.schema, names)
     succeeded = await ledger.last_succeeded_slots(conn, registry.schema, names)
+    paused = await pause.active(conn, registry.schema)
+    retrying = await retries.pending(conn, registry, now, RETRY_VIEW_WINDOW)
     views = []
     for job in registry.values():
         current = nxt = None
@@ -355,7 +366,9 @@ async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -
                 running=bool(running),
                 running_on=running[0] if running else None,
                 running_keys=running,
-                overdue=is_overdue(job, now, succeeded.get(job.name)),
+                overdue=job.name not in paused and is_overdue(job, now, succeeded.get(job.name)),
+                paused=paused.get(job.name),
+                retry=retries.view(retrying[job.name][0], job) if job.name in retrying else None,
             )
         )
     return JobsView(now=now, jobs=views)
@@ -440,13 +453,15 @@ async def reading(conn: Conn, *, input_from: tuple[str, ...] | None = None) -> A
 
 @dataclass(frozen=True)
 class Cancelled:
-    """What `cancel` did: the lock's holder as first seen, whether a signal reached it, whether
-    the lock was released within the wait, and the run as recorded afterwards."""
+    """What `cancel` did: the lock's holder as first seen, how it was reached (`holder`: the
+    holder cancelled its job on request; `cancel` / `terminate`: the database-side fallback),
+    whether the lock was released within the wait, and the run as recorded afterwards."""
 
     holder: LockView
     signalled: bool
     released: bool
     run: RunView | None
+    how: Literal["holder", "cancel", "terminate", "none"] = "none"
 
 
 async def cancel(
@@ -458,11 +473,17 @@ async def cancel(
     terminate: bool,
     wait: float,
     key: str | None = None,
+    by: str = "cli",
 ) -> Cancelled | None:
-    """Cancel (or terminate) the backend holding `job`'s lock and wait up to `wait` seconds for
-    the lock to go; None when the job is not running. For a keyed job, `key` picks the run
-    (without it, the oldest of its runs). Each step is bounded by DB_QUERY_TIMEOUT, not the
-    whole wait (`conn` is not bounded)."""
+    """Stop the run holding `job`'s lock and wait up to `wait` seconds for the lock to go;
+    None when the job is not running. For a keyed job, `key` picks the run (without it, the
+    oldest of its runs). Each step is bounded by DB_QUERY_TIMEOUT, not the whole wait (`conn`
+    is not bounded).
+
+    The request goes to the holder through its ledger row (app/cancel.py); a holder that has
+    not let go after CANCEL_GRACE seconds gets pg_cancel_backend (a statement in progress) or
+    pg_terminate_backend (idle in its transaction), sent only while the pid still holds the
+    lock. `terminate` goes straight to pg_terminate_backend."""
 
     async def holder() -> LockView | None:
         with deadline(conn, settings.db_query_timeout):
@@ -477,9 +498,11 @@ async def cancel(
             None,
         )
 
+    lock = registry.lock(job, key)
+
     async def send(pid: int, *, terminate: bool) -> bool:
         with deadline(conn, settings.db_query_timeout):
-            return await signal_holder(conn, pid, terminate=terminate)
+            return await requests.signal_holder(conn, pid, lock, terminate=terminate)
 
     first = await holder()
     if first is None:
@@ -489,20 +512,37 @@ async def cancel(
     if first.kind == "lease":
         return await _cancel_lease(conn, registry, settings, first, wait)
     assert first.pid is not None
-    give_up_at = time.monotonic() + wait
+    if first.job_key is not None:
+        lock = registry.lock(job, first.job_key)
+    started = time.monotonic()
+    give_up_at = started + wait
+    fallback_at = started + min(settings.cancel_grace, wait)
     signalled = released = False
+    how: Literal["holder", "cancel", "terminate", "none"] = "none"
+    if not terminate and first.run_id is not None:
+        with deadline(conn, settings.db_query_timeout):
+            signalled = await requests.request(conn, settings.db_schema, first.run_id, by)
+        how = "holder" if signalled else how
+    else:  # --terminate, or no run row to write the request on: the database-side way
+        fallback_at = started
     current = first
     while True:
-        # A cancel reaches only a statement in progress; between statements (idle in
-        # transaction) it is ignored, so it is sent whenever one is running.
-        if terminate and not signalled:
-            signalled = await send(first.pid, terminate=True)
-        elif not terminate and current.state == "active":
-            signalled = await send(first.pid, terminate=False) or signalled
+        if time.monotonic() >= fallback_at and how in ("holder", "none"):
+            # The holder did not react in time (frozen, its loop blocked), or cannot be asked.
+            hard = terminate or current.state != "active"
+            if await send(first.pid, terminate=hard):
+                signalled, how = True, "terminate" if hard else "cancel"
         await asyncio.sleep(0.1)
         now_held = await holder()
         # Released, or already held by a newer run (a pooled backend may be reused at once).
-        if now_held is None or (now_held.pid, now_held.run_id) != (first.pid, first.run_id):
+        # The same backend with no running row is not released: the holder recorded its run
+        # as cancelled and closed its connection, and the server has not noticed yet (a
+        # statement in progress notices within DB_CLIENT_CHECK_INTERVAL).
+        if (
+            now_held is None
+            or now_held.pid != first.pid
+            or now_held.run_id not in (None, first.run_id)
+        ):
             released = True
             break
         current = now_held
@@ -523,7 +563,7 @@ async def cancel(
             with deadline(conn, settings.db_query_timeout):
                 await sweep(conn, settings, job)
             await asyncio.sleep(0.1)
-    return Cancelled(first, signalled, released, found)
+    return Cancelled(first, signalled, released, found, how)
 
 
 async def _expired_lease(

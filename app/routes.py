@@ -11,7 +11,7 @@ from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
 from pydantic import AfterValidator
 
-from app import ledger
+from app import ledger, pause
 from app.deps import DatabaseDep, RegistryDep, RunnerDep, SettingsDep, error
 from app.errors import DatabaseUnavailable
 from app.inputs import BIGINT_MAX, check_text
@@ -156,12 +156,16 @@ async def get_metrics(runner: RunnerDep, db: DatabaseDep, registry: RegistryDep)
         async with db.connection() as conn, reading(conn):
             now: datetime = await conn.fetchval(NOW_SQL)
             succeeded = await ledger.last_succeeded_slots(conn, registry.schema, list(registry))
+            paused = await pause.active(conn, registry.schema)
             overdue = {
-                j.name: is_overdue(j, now, succeeded.get(j.name))
+                j.name: j.name not in paused and is_overdue(j, now, succeeded.get(j.name))
                 for j in registry.values()
                 if j.schedule is not None
             }
             metrics.set_jobs(overdue, succeeded)
+            metrics.set_paused(
+                {name: (now - p.at).total_seconds() for name, p in paused.items()}, registry
+            )
             stats = await outbox_stats(conn, registry.schema)
             if stats is not None:
                 metrics.set_outbox(stats)

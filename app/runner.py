@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from app import ledger
+from app import cancel, ledger, pause
 from app.db import Conn, Database, deadline, terminate
 from app.errors import (
     DATABASE_ERRORS,
@@ -83,6 +83,8 @@ class Runner:
         # every pooled connection. Other keys of a keyed job go on to their own locks.
         self.local: dict[tuple[str, str | None], int | None] = {}
         self.background: set[asyncio.Task[Outcome]] = set()
+        # The cancel watchers of running jobs (app/cancel.py), kept until they end.
+        self.watchers: set[asyncio.Task[str | None]] = set()
         # Lock transactions at once, at most one fewer than the pool's connections: each also
         # needs a second connection for a moment (its ledger row commits outside it), and if
         # every connection held a lock transaction waiting for one, none would get it (every
@@ -104,8 +106,10 @@ class Runner:
         params: Any = None,
         wait: bool = True,
         source: str = "http",
+        retry_of: ledger.Run | None = None,
     ) -> Outcome:
-        """Run `job` if it is not running anywhere and its slot is not done yet."""
+        """Run `job` if it is not running anywhere and its slot is not done yet. `retry_of`:
+        this run is the next attempt at that failed one, for its slot (app/retries.py)."""
         trigger: Trigger = "manual" if force else "backfill" if slot is not None else "scheduled"
         if slot is not None:
             self._check_backfill_slot(job, slot, force)
@@ -127,7 +131,7 @@ class Runner:
                 # An accepted run is the lease runner's now: it clears `local` at its end.
                 handed_off = started.kind == "accepted"
                 return started
-            lease_or_skip = await self._acquire(job, key, trigger, slot, params, source)
+            lease_or_skip = await self._acquire(job, key, trigger, slot, params, source, retry_of)
             if isinstance(lease_or_skip, Outcome):
                 return lease_or_skip
             lease = lease_or_skip
@@ -184,6 +188,8 @@ class Runner:
             await self.db.release(conn)
         if row["standby"]:
             raise DatabaseUnavailable(STANDBY_REASON)
+        if row["paused"]:
+            return self.skip(job, "paused", None, "scheduled", source, key)
         # When both hold (a concurrent trigger is looking at a slot that is done), "already
         # done" wins: it is the more useful answer, and the lock holder can only be deciding.
         if job.schedule is not None:
@@ -236,6 +242,7 @@ class Runner:
         backfill: datetime | None,
         params: Any,
         source: str,
+        retry_of: ledger.Run | None = None,
     ) -> _Lease | Outcome:
         await self.db.ensure_ready()
         try:
@@ -269,6 +276,11 @@ class Runner:
                 if not row["locked"]:
                     return self.skip(job, "already running", None, trigger, source, key)
                 now: datetime = row["db_now"]
+                # Under the lock: another instance may have made this retry already.
+                if retry_of is not None and await ledger.retried(
+                    conn, self.settings.db_schema, retry_of.id
+                ):
+                    return self.skip(job, "already retried", backfill, trigger, source, key)
                 skip, slot = await self.decide_slot(conn, job, key, trigger, backfill, now)
             if skip is not None:
                 return self.skip(job, skip, slot, trigger, source, key)
@@ -287,6 +299,8 @@ class Runner:
                     if hasattr(params, "model_dump")
                     else None,
                     key=key,
+                    attempt=retry_of.attempt + 1 if retry_of is not None else 1,
+                    retry_of=retry_of.id if retry_of is not None else None,
                 )
             ctx = JobContext(
                 conn=conn,
@@ -323,6 +337,10 @@ class Runner:
         now: datetime,
     ) -> tuple[str | None, datetime | None]:
         """The slot this run is for, and the reason to skip it, if any."""
+        # Under the lock too: a pause committed since the probe still stops the run (lease
+        # runs decide here as well). A manual run (force=true) is an operator's: it runs.
+        if trigger != "manual" and await pause.is_paused(conn, self.settings.db_schema, job.name):
+            return "paused", None
         if job.schedule is None:
             return None, None
         if trigger == "backfill":
@@ -352,12 +370,35 @@ class Runner:
             task: asyncio.Task[Any] = asyncio.create_task(
                 job.func(ctx), name=f"job:{job.name}:{ctx.run_id}"
             )
+            # The holder watches its row for a cancel request (app/cancel.py): any instance
+            # can write one, and it reaches a job whatever it awaits.
+            stop_watching = asyncio.Event()
+            watcher = asyncio.create_task(
+                cancel.watch(
+                    self.db,
+                    self.settings.db_schema,
+                    ctx.run_id,
+                    self.settings.cancel_poll_interval,
+                    stop_watching,
+                ),
+                name=f"cancel-watch:{ctx.run_id}",
+            )
+            self.watchers.add(watcher)
+            watcher.add_done_callback(self.watchers.discard)
             try:
-                done, _ = await asyncio.wait({task}, timeout=job.timeout)
+                done, _ = await asyncio.wait(
+                    {task, watcher}, timeout=job.timeout, return_when=asyncio.FIRST_COMPLETED
+                )
             except asyncio.CancelledError:
                 # Shutdown past its grace period: roll back and record why, then go.
                 await self._abort(lease, task, "cancelled", "instance shut down while running")
                 raise
+            finally:
+                stop_watching.set()  # it ends after its poll in flight, if any
+            by = watcher.result() if watcher in done and task not in done else None
+            if by is not None:
+                await self._abort(lease, task, "cancelled", f"cancelled at the request of {by}")
+                return self._outcome(lease, "cancelled", source, reason=f"cancelled by {by}")
             if not done:
                 await self._abort(
                     lease, task, "timed_out", f"exceeded its timeout of {job.timeout} s"

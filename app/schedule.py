@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-__all__ = ["MACROS", "Fields", "Schedule", "ScheduleError"]
+__all__ = ["EPOCH", "MACROS", "Fields", "Interval", "Schedule", "ScheduleError", "Slots"]
 
 _DAY = timedelta(days=1)
 # Python bounds every UTC offset by 24 h, so a local time's instants lie within a day of it when
@@ -422,3 +422,87 @@ class Schedule:
         prev, upcoming = window
         tolerance = min(max(early_tolerance, 0.0), (upcoming - prev).total_seconds() / 2)
         return upcoming if (upcoming - now).total_seconds() <= tolerance else prev
+
+
+# Every instance must compute the same slots from nothing but the interval: they are counted
+# from one fixed instant, the Unix epoch, so `every=300` ticks at :00, :05, :10... of each hour
+# (a day is a whole number of seconds in UTC: POSIX time has no leap seconds).
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_US = 1_000_000
+
+
+def _micros(at: datetime) -> int:
+    """Microseconds from EPOCH to `at`, exactly (no float on the way)."""
+    _require_aware(at)
+    delta = at - EPOCH
+    return (delta.days * 86400 + delta.seconds) * _US + delta.microseconds
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Ticks every `every` seconds (a whole number, at least 1), at the multiples of `every`
+    from EPOCH; equal and hashed by `every` alone. Always in UTC: an interval has no wall
+    clock, so daylight saving never moves it."""
+
+    every: int
+    tz: str = field(default="UTC", init=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ScheduleError(
+                f"every= must be a whole number of seconds, at least 1: {self.every!r}"
+            )
+
+    @classmethod
+    def parse(cls, every: float) -> Interval:
+        """Validate `every` (an int, or a float with no fraction); raises ScheduleError."""
+        if isinstance(every, float) and every.is_integer():
+            every = int(every)
+        if isinstance(every, bool) or not isinstance(every, int):
+            raise ScheduleError(f"every= must be a whole number of seconds, at least 1: {every!r}")
+        return cls(every)
+
+    @property
+    def expr(self) -> str:
+        """How the schedule is shown (/cron/jobs, the CLI, the OpenAPI document)."""
+        return f"every {self.every}s"
+
+    @property
+    def cron(self) -> str | None:
+        """The cron expression with exactly these ticks, when there is one (a whole number of
+        minutes dividing an hour, or of hours dividing a day); None otherwise."""
+        if self.every % 60:
+            return None
+        minutes = self.every // 60
+        if minutes < 60 and 60 % minutes == 0:
+            return "* * * * *" if minutes == 1 else f"*/{minutes} * * * *"
+        if minutes % 60 == 0 and 24 % (minutes // 60) == 0:
+            hours = minutes // 60
+            return {1: "0 * * * *", 24: "0 0 * * *"}.get(hours, f"0 */{hours} * * *")
+        return None
+
+    def _at(self, index: int) -> datetime:
+        return EPOCH + timedelta(microseconds=index * self.every * _US)
+
+    def prev_tick(self, at: datetime) -> datetime:
+        """The latest tick at or before `at`, in UTC."""
+        return self._at(_micros(at) // (self.every * _US))
+
+    def next_tick(self, at: datetime) -> datetime:
+        """The earliest tick strictly after `at`, in UTC."""
+        return self._at(_micros(at) // (self.every * _US) + 1)
+
+    def is_tick(self, at: datetime) -> bool:
+        """Whether `at` is exactly one of the ticks."""
+        return _micros(at) % (self.every * _US) == 0
+
+    def slot_for(self, now: datetime, early_tolerance: float) -> datetime:
+        """As `Schedule.slot_for`: the previous tick, or the next one when it is at most
+        `early_tolerance` seconds away (capped at half the interval)."""
+        prev, upcoming = self.prev_tick(now), self.next_tick(now)
+        tolerance = min(max(early_tolerance, 0.0), self.every / 2)
+        return upcoming if (upcoming - now).total_seconds() <= tolerance else prev
+
+
+# What a job's `schedule` is: a cron expression in a zone, or an interval.
+Slots = Schedule | Interval

@@ -84,8 +84,25 @@ class Settings(BaseSettings):
     cron_allow_get: bool = False
     max_body_bytes: int = Field(default=65536, ge=0)
     backfill_window: float = Field(default=7 * 86400.0, ge=0)
-    # How often an instance looks for missed slots of jobs with `catch_up=True`.
+    # How often an instance looks for missed slots of jobs with a missed-slot policy
+    # (`missed="latest"` or `"all"`, or `catch_up=True`).
     catch_up_interval: float = Field(default=60.0, gt=0)
+    # A running job's holder looks at its ledger row this often for a cancel request
+    # (`python -m app cancel`, app/cancel.py).
+    cancel_poll_interval: float = Field(default=0.5, gt=0)
+    # How long `cancel` waits for the holder to react before it cancels or terminates the
+    # holder's backend from the database instead.
+    cancel_grace: float = Field(default=5.0, ge=0)
+    # How often each instance looks for due retries of jobs with `retries=` (app/retries.py).
+    retry_poll_interval: float = Field(default=5.0, gt=0)
+    # The built-in scheduler (app/scheduler.py): every instance triggers every scheduled job at
+    # each of its slots, on the database's clock; the lock and the ledger make it one run.
+    scheduler_enabled: bool = False
+    # Each trigger waits a random 0..jitter seconds after its slot (at most a quarter of the
+    # job's interval), so the instances do not all hit the database in the same millisecond.
+    scheduler_jitter: float = Field(default=0.5, ge=0)
+    # How often the offset between this instance's clock and the database's is measured again.
+    scheduler_clock_interval: float = Field(default=60.0, gt=0)
     ledger_retention_days: float = Field(default=90.0, gt=0)
     # Lease jobs (`@job(..., lease=)`): how often each instance looks for runs whose lease ran
     # out, to take them over; and the part of a lease its holder keeps in hand, besides
@@ -100,6 +117,31 @@ class Settings(BaseSettings):
     log_skips: bool = True
     log_format: Literal["auto", "json", "text"] = "auto"
     log_level: str = "INFO"
+
+    # --- alerts (app/alerts.py) --------------------------------------------------------------
+    # A webhook for every job without its own `webhook_url=`: failed, timed_out, overdue,
+    # recovered, paused_too_long (and lease_lost) events, signed the Standard Webhooks way
+    # with ALERT_WEBHOOK_SECRET (`whsec_` + base64 of the key; required with any webhook).
+    alert_webhook_url: str | None = None
+    alert_webhook_secret: SecretStr | None = None
+    # A Healthchecks.io-style ping URL for every job without its own `ping_url=`; `{job}` is
+    # replaced by the job's name (e.g. https://hc-ping.com/<ping-key>/{job}). Start pings go
+    # to <url>/start, failures to <url>/fail, successes to <url>.
+    alert_ping_url: str | None = None
+    # How often each instance looks for new events and sends what is due.
+    alert_poll_interval: float = Field(default=2.0, gt=0)
+    # A paused job raises `paused_too_long` once it has been paused this long.
+    alert_paused_too_long: float = Field(default=86400.0, gt=0)
+    # Events this old are still raised by an instance that starts (after an outage of all).
+    alert_lookback: float = Field(default=3600.0, gt=0)
+    alert_send_timeout: float = Field(default=10.0, gt=0)
+    # A claimed alert not marked sent within this is sent again by another instance.
+    alert_lease: float = Field(default=30.0, gt=0)
+    alert_max_attempts: int = Field(default=20, ge=1)
+    alert_backoff_base: float = Field(default=1.0, gt=0)
+    alert_backoff_max: float = Field(default=300.0, gt=0)
+    # Webhooks are given up after this long (pings: after the job's grace).
+    alert_retry_window: float = Field(default=86400.0, gt=0)
 
     # --- dashboard (/ui/, docs/dashboard.md) -----------------------------------------------
     ui_enabled: bool = True
@@ -158,7 +200,13 @@ class Settings(BaseSettings):
     def _schema_name(cls, v: str) -> str:
         return check_name(v)
 
-    @field_validator("cron_secret", "cron_secret_previous", "cron_read_token", "metrics_token")
+    @field_validator(
+        "cron_secret",
+        "cron_secret_previous",
+        "cron_read_token",
+        "metrics_token",
+        "alert_webhook_secret",
+    )
     @classmethod
     def _blank_is_unset(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and not v.get_secret_value().strip():

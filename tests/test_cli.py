@@ -408,9 +408,9 @@ async def test_cancel_rolls_the_run_back_and_records_it(
     assert answer.json()["error"] == "job cancelled"
     assert body["released"] is True
     assert body["instance"] == "svc"
-    assert body["signal"] == "cancel"
+    assert body["signal"] == "holder"  # the holder saw the request on its row and stopped
     assert body["run"]["status"] == "cancelled"
-    assert "canceling statement due to user request" in body["run"]["error"]
+    assert "cancelled at the request of " in body["run"]["error"]
     assert await effects(db, "slow-sql") == 0  # its writes rolled back
     assert [r["status"] for r in await runs(db, "slow-sql")] == ["cancelled"]
     again = await run_cli(capsys, "cancel", "slow-sql")
@@ -419,8 +419,34 @@ async def test_cancel_rolls_the_run_back_and_records_it(
     assert (await post(client, i.url + "/cron/slow-sql", json={"seconds": 0})).status_code == 200
 
 
-@pytest.mark.slow  # seconds of timers or loops by design: not in --fast
-async def test_a_holder_between_statements_needs_terminate(
+async def test_cancel_reaches_a_job_between_statements(
+    start_app: StartApp,
+    client: httpx.AsyncClient,
+    db: asyncpg.Connection,
+    cli_env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`slow` sleeps in Python: its backend sits idle in transaction, where pg_cancel_backend
+    is ignored. The request on its row reaches the holder, which cancels the job."""
+    i = await start_app("svc", cancel_poll_interval=0.1)
+    pending = asyncio.create_task(post(client, i.url + "/cron/slow", json={"seconds": 10}))
+    await wait_for(lambda: lock_held(db, "slow"), 10, "slow to take its lock")
+    await asyncio.sleep(0.3)
+    result = await run_cli(capsys, "cancel", "slow", "--wait", "5", "--json")
+    assert result.code == 0, result.err
+    assert result.json()["signal"] == "holder"
+    answer = await pending
+    assert answer.status_code == 500
+    assert answer.json()["error"] == "job cancelled"
+    assert await effects(db, "slow") == 0
+    [row] = await runs(db, "slow")
+    assert row["status"] == "cancelled"
+    assert await db.fetchval(
+        "SELECT cancel_requested_by IS NOT NULL FROM cronlock.runs WHERE id = $1", row["id"]
+    )
+
+
+async def test_terminate_stays(
     start_app: StartApp,
     client: httpx.AsyncClient,
     db: asyncpg.Connection,
@@ -428,17 +454,13 @@ async def test_a_holder_between_statements_needs_terminate(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     i = await start_app("svc")
-    # `slow` sleeps in Python: its backend sits idle in transaction, where a cancel is ignored.
     pending = asyncio.create_task(post(client, i.url + "/cron/slow", json={"seconds": 4}))
     await wait_for(lambda: lock_held(db, "slow"), 10, "slow to take its lock")
     await asyncio.sleep(0.3)
-    refused = await run_cli(capsys, "cancel", "slow", "--wait", "1")
-    assert refused.code == 1
-    assert "--terminate" in refused.err
-    assert await lock_held(db, "slow")
     ended = await run_cli(capsys, "cancel", "slow", "--terminate", "--json")
     assert ended.code == 0, ended.err
     assert ended.json()["released"] is True
+    assert ended.json()["signal"] == "terminate"
     assert not await lock_held(db, "slow")
     answer = await pending
     assert answer.status_code == 500

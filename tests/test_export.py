@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app.export import export, job_lines, k8s_name, to_yaml, utc_lines
+from app.export import FORMATS, export, job_lines, k8s_name, to_yaml, utc_lines
 from app.jobs import Job, JobContext, Registry
 from app.schedule import Schedule
 from tests.support import TEST_SECRET
@@ -432,3 +432,23 @@ def test_schedule_export_command(tmp_path: Path) -> None:
         check=False,
     )
     assert bad.returncode == 2
+
+
+def test_interval_jobs_export_as_exact_cron_or_not_at_all() -> None:
+    """every=300 is `*/5 * * * *`; every=30 has no cron form: left out, with a note naming the
+    built-in scheduler, in every format."""
+    from app.schedule import Interval
+
+    jobs = [
+        Job("five-minutes", _noop, schedule=Interval(300)),
+        Job("half-minute", _noop, schedule=Interval(30)),
+    ]
+    reg = Registry({j.name: j for j in jobs})
+    for fmt in FORMATS:
+        text, notes = export(reg, fmt, start=START)
+        assert "five-minutes" in text, fmt
+        assert "half-minute" not in text, fmt
+        assert any("half-minute" in n and "SCHEDULER_ENABLED=true" in n for n in notes), fmt
+        assert any("five-minutes" in n and "*/5 * * * *" in n for n in notes), fmt
+    text, _ = export(reg, "crontab", start=START)
+    assert "*/5 * * * * curl" in text

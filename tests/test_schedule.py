@@ -458,3 +458,88 @@ def test_prev_and_next_bracket_every_instant(expr: str, tz: str) -> None:
         assert schedule.is_tick(at) == (prev == at)
         assert prev.tzinfo is UTC
         assert upcoming_tick.tzinfo is UTC
+
+
+# --- interval schedules (every=) ---------------------------------------------------------------
+
+
+def test_interval_ticks_are_multiples_from_the_unix_epoch() -> None:
+    """Every instance computes the same slots: multiples of the interval from 1970-01-01 UTC."""
+    from app.schedule import EPOCH, Interval
+
+    every = Interval.parse(30)
+    at = utc(2026, 3, 29, 1, 0, 17)  # Berlin's spring-forward hour: no effect on intervals
+    assert every.prev_tick(at) == utc(2026, 3, 29, 1, 0, 0)
+    assert every.next_tick(at) == utc(2026, 3, 29, 1, 0, 30)
+    assert every.prev_tick(utc(2026, 1, 1, 0, 0, 30)) == utc(2026, 1, 1, 0, 0, 30)  # at a tick
+    assert every.next_tick(utc(2026, 1, 1, 0, 0, 30)) == utc(2026, 1, 1, 0, 1, 0)
+    assert every.is_tick(utc(2026, 1, 1, 0, 0, 30))
+    assert not every.is_tick(at)
+    assert Interval.parse(7).prev_tick(EPOCH + timedelta(seconds=20)) == EPOCH + timedelta(
+        seconds=14
+    )
+    # Sub-second instants: exact integer arithmetic, no float rounding at the edge.
+    edge = utc(2026, 1, 1, 0, 0, 30) - timedelta(microseconds=1)
+    assert every.prev_tick(edge) == utc(2026, 1, 1)
+    assert Interval.parse(30.0) == every
+    assert every.expr == "every 30s"
+    assert every.tz == "UTC"
+
+
+def test_interval_slot_for_caps_the_early_tolerance_at_half_the_interval() -> None:
+    from app.schedule import Interval
+
+    every = Interval.parse(10)
+    tick = utc(2026, 1, 1, 0, 0, 10)
+    assert every.slot_for(tick - timedelta(seconds=4), 5.0) == tick  # early, within tolerance
+    assert every.slot_for(tick - timedelta(seconds=6), 5.0) == tick - timedelta(seconds=10)
+    assert every.slot_for(tick + timedelta(seconds=4), 60.0) == tick  # capped at 5 s
+
+
+@pytest.mark.parametrize(
+    ("every", "cron"),
+    [
+        (60, "* * * * *"),
+        (300, "*/5 * * * *"),
+        (3600, "0 * * * *"),
+        (7200, "0 */2 * * *"),
+        (30, None),
+        (420, None),
+        (5 * 3600, None),
+        (86400, "0 0 * * *"),
+        (2 * 86400, None),
+    ],
+)
+def test_interval_cron_form_only_when_exact(every: int, cron: str | None) -> None:
+    from app.schedule import Interval
+
+    interval = Interval.parse(every)
+    assert interval.cron == cron
+    if cron is not None:  # the same ticks over a day
+        schedule, at = Schedule.parse(cron), utc(2026, 5, 1)
+        for _ in range(50):
+            assert schedule.next_tick(at) == interval.next_tick(at)
+            at = interval.next_tick(at)
+
+
+@pytest.mark.parametrize("every", [0, -5, 1.5, True, "30"])
+def test_interval_refuses_what_is_not_whole_seconds(every: object) -> None:
+    from app.schedule import Interval
+
+    with pytest.raises(ScheduleError, match="whole number of seconds"):
+        Interval.parse(every)  # type: ignore[arg-type]
+
+
+def test_job_every_declaration() -> None:
+    from app.errors import JobDefinitionError
+    from app.jobs import JobContext, job
+
+    async def noop(ctx: JobContext) -> None:
+        return None
+
+    with pytest.raises(JobDefinitionError, match="not both"):
+        job("both-kinds", schedule="* * * * *", every=30)(noop)
+    with pytest.raises(JobDefinitionError, match="drop tz"):
+        job("zoned-interval", every=30, tz="Europe/Berlin")(noop)
+    with pytest.raises(JobDefinitionError, match="whole number"):
+        job("half-second", every=0.5)(noop)

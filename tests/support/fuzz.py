@@ -56,9 +56,15 @@ class Report:
 
 
 def document(base_url: str, headers: dict[str, str], jobs: Iterable[str]) -> dict[str, Any]:
-    """The service's OpenAPI document with only `jobs`' triggers left (every other route)."""
+    """The service's OpenAPI document with only `jobs`' triggers left (every other route but
+    pause and resume)."""
     doc: dict[str, Any] = httpx.get(base_url + "/openapi.json", headers=headers, timeout=10).json()
     keep = set(jobs)
+    # Pause and resume change what every trigger answers: the stateful phase follows
+    # /cron/jobs' names to them and pauses the very jobs whose triggers are fuzzed ("paused"
+    # from then on, no 202 to follow). tests/test_pause.py covers their bad input instead.
+    for action in ("pause", "resume"):
+        doc["paths"].pop(f"/cron/jobs/{{name}}/{action}", None)
     for path, item in list(doc["paths"].items()):
         triggers = [op for op in item.values() if "jobs" in op.get("tags", ())]
         if triggers and path.removeprefix("/cron/") not in keep:

@@ -1,0 +1,144 @@
+"""Retries cronlock owns (app/retries.py): one ledger row per attempt, for the same slot, by
+any instance; a trigger during an attempt is still "already running"; manual runs are not
+retried; retries end when they run out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+
+from app.settings import Settings
+from tests.support.asgi import StartApp
+from tests.util import AUTH, post, wait_for
+
+FAST_RETRIES = {"cron_jobs": "tests.own_jobs", "retry_poll_interval": 0.1}
+
+
+async def attempts(db: asyncpg.Connection, job: str) -> list[asyncpg.Record]:
+    return await db.fetch(
+        "SELECT id, slot, status, attempt, retry_of, trigger, source, instance"
+        " FROM cronlock.runs WHERE job = $1 ORDER BY id",
+        job,
+    )
+
+
+async def test_fails_twice_then_succeeds_three_rows_for_the_slot(
+    start_app: StartApp, client: Any, db: asyncpg.Connection
+) -> None:
+    a = await start_app("a", **FAST_RETRIES)
+    b = await start_app("b", **FAST_RETRIES)
+    first = await post(client, a.url + "/cron/flaky")
+    assert first.status_code == 500  # attempt 1 failed: the scheduler is told
+    # /cron/jobs says it is failing and when the retry comes.
+    jobs = {
+        j["name"]: j for j in (await client.get(b.url + "/cron/jobs", headers=AUTH)).json()["jobs"]
+    }
+    retry = jobs["flaky"]["retry"]
+    assert retry is not None, jobs["flaky"]
+    assert retry["summary"].startswith("failing, retry 1 of 3 at ")
+    assert retry["last_run_id"] == first.json()["run_id"]
+
+    async def running_attempt() -> bool:
+        return bool(
+            await db.fetchval(
+                "SELECT count(*) FROM cronlock.runs WHERE job = 'flaky' AND status = 'running'"
+                " AND attempt > 1"
+            )
+        )
+
+    await wait_for(running_attempt, 10, "a retry to start")
+    # A trigger during a retry's attempt: "already running", as for any run.
+    during = await post(client, b.url + "/cron/flaky")
+    assert during.json()["reason"] == "already running"
+
+    async def done() -> bool:
+        rows = await attempts(db, "flaky")
+        return bool(rows) and rows[-1]["status"] == "succeeded"
+
+    await wait_for(done, 15, "the third attempt to succeed")
+    await asyncio.sleep(0.5)  # no fourth attempt follows
+    rows = await attempts(db, "flaky")
+    assert [r["attempt"] for r in rows] == [1, 2, 3]
+    assert [r["status"] for r in rows] == ["failed", "failed", "succeeded"]
+    assert len({r["slot"] for r in rows}) == 1
+    assert rows[1]["retry_of"] == rows[0]["id"]
+    assert rows[2]["retry_of"] == rows[1]["id"]
+    assert [r["source"] for r in rows] == ["http", "retry", "retry"]
+    jobs = (await client.get(a.url + "/cron/jobs", headers=AUTH)).json()["jobs"]
+    assert next(j for j in jobs if j["name"] == "flaky")["retry"] is None
+
+
+async def test_manual_runs_are_not_retried_and_retries_run_out(
+    start_app: StartApp, client: Any, db: asyncpg.Connection
+) -> None:
+    a = await start_app("a", **FAST_RETRIES)
+    manual = await post(client, a.url + "/cron/always-fails?force=true")
+    assert manual.status_code == 500
+    await asyncio.sleep(0.6)
+    assert len(await attempts(db, "always-fails")) == 1  # not retried
+    scheduled = await post(client, a.url + "/cron/always-fails")
+    assert scheduled.status_code == 500
+
+    async def exhausted() -> bool:
+        return len(await attempts(db, "always-fails")) == 4  # manual + 1 + 2 retries
+
+    await wait_for(exhausted, 10, "two retries")
+    await asyncio.sleep(1.0)  # 0.2 s, 0.4 s, then none: retries=2
+    rows = await attempts(db, "always-fails")
+    assert [r["attempt"] for r in rows] == [1, 1, 2, 3]
+    assert {r["status"] for r in rows} == {"failed"}
+    jobs = (await client.get(a.url + "/cron/jobs", headers=AUTH)).json()["jobs"]
+    assert next(j for j in jobs if j["name"] == "always-fails")["retry"] is None
+
+
+async def test_a_paused_job_is_not_retried(
+    start_app: StartApp, client: Any, db: asyncpg.Connection
+) -> None:
+    a = await start_app("a", **FAST_RETRIES)
+    assert (await post(client, a.url + "/cron/always-fails")).status_code == 500
+    await post(client, a.url + "/cron/jobs/always-fails/pause")
+    await asyncio.sleep(0.8)
+    assert len(await attempts(db, "always-fails")) == 1
+    await post(client, a.url + "/cron/jobs/always-fails/resume")
+
+    async def retried() -> bool:
+        return len(await attempts(db, "always-fails")) > 1
+
+    await wait_for(retried, 10, "the retry after resume")
+
+
+async def test_the_same_retry_is_made_once(
+    make_settings: Callable[..., Settings], db: asyncpg.Connection
+) -> None:
+    """Two instances that both saw a failed attempt as due: the second to get the lock finds
+    the retry made (checked under the lock) and skips, even after the first one ended."""
+    from app import ledger, retries
+    from app.db import Database
+    from app.jobs import load
+    from app.runner import Runner
+
+    settings = make_settings(cron_jobs="tests.own_jobs")
+    database = Database(settings)
+    await database.open()
+    try:
+        await database.check(apply_migrations=False)
+        runner = Runner(settings, load(settings.job_modules), database)
+        job = runner.registry["always-fails"]
+        assert (await runner.trigger(job)).kind == "failed"
+        now = await db.fetchval("SELECT now() + interval '1 minute'")  # past the delay
+        async with database.connection() as conn:
+            found = await retries.pending(conn, runner.registry, now, 3600)
+        failed = found["always-fails"][0].failed
+        first = await retries.run(runner, job, failed)
+        second = await retries.run(runner, job, failed)
+        assert first is not None
+        assert first.kind == "failed"
+        assert second is not None
+        assert (second.kind, second.reason) == ("skipped", "already retried")
+        rows = await ledger.list_runs(db, "cronlock", job="always-fails")
+        assert sorted(r.attempt for r in rows) == [1, 2]
+    finally:
+        await database.close()

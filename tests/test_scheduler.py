@@ -1,0 +1,148 @@
+"""The built-in scheduler (app/scheduler.py) in-process: ticks on the database's clock, one run
+per slot across instances, through the runner (source `scheduler`). The proof with real
+processes, kill -9 and an outage is tests/test_on_its_own.py."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import pytest
+
+from app.db import Database
+from app.jobs import load
+from app.runner import Runner
+from app.scheduler import Clock, jitter_bound
+from app.settings import Settings
+from tests.support.asgi import StartApp
+
+
+async def succeeded_slots(db: asyncpg.Connection, job: str) -> list[tuple[datetime, str]]:
+    rows = await db.fetch(
+        "SELECT slot, source FROM cronlock.runs WHERE job = $1 AND status = 'succeeded'"
+        " ORDER BY slot",
+        job,
+    )
+    return [(r["slot"], r["source"]) for r in rows]
+
+
+async def test_two_instances_one_run_per_slot_no_gap(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    """Every=1 job, two schedulers, ~4 s: one succeeded run per slot, consecutive slots."""
+    env = {"cron_jobs": "tests.own_jobs", "scheduler_enabled": True, "scheduler_jitter": 0.1}
+    await start_app("a", **env)
+    await start_app("b", **env)
+    await asyncio.sleep(4.5)
+    found = await succeeded_slots(db, "tick")
+    # At start-up the catch-up loop may run the due slot (a job that never ran is overdue).
+    first = next(i for i, (_, source) in enumerate(found) if source == "scheduler")
+    found = found[first:]
+    slots = [s for s, _ in found]
+    assert len(slots) >= 3, found
+    assert len(slots) == len(set(slots))
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(slots)), slots
+    assert {source for _, source in found} == {"scheduler"}
+    others = await db.fetchval(
+        "SELECT count(*) FROM cronlock.runs WHERE job = 'tick' AND status <> 'succeeded'"
+    )
+    assert others == 0
+
+
+async def test_clock_offset_is_measured_and_corrected(
+    make_settings: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An instance whose clock runs 30 s fast still reads the database's time: ticks are
+    computed from it, not from the local clock."""
+    settings = make_settings(cron_jobs="tests.own_jobs")
+    db = Database(settings)
+    await db.open()
+    try:
+        runner = Runner(settings, load(settings.job_modules), db)
+        clock = Clock()
+        await clock.measure(runner)
+        assert clock.round_trip is not None
+        assert abs(clock.offset) < 0.5  # same machine
+        real = time.time
+        monkeypatch.setattr("app.scheduler.time.time", lambda: real() + 30.0)
+        await clock.measure(runner)
+        assert abs(clock.offset + 30.0) < 0.5
+        async with db.connection() as conn:
+            db_now = await conn.fetchval("SELECT clock_timestamp()")
+        assert abs((clock.now() - db_now).total_seconds()) < 0.5
+    finally:
+        await db.close()
+
+
+def test_jitter_is_at_most_a_quarter_of_the_interval(
+    make_settings: Callable[..., Settings],
+) -> None:
+    settings = make_settings(cron_jobs="tests.own_jobs")
+    registry = load(settings.job_modules)
+    job = registry["tick"]
+    assert job.schedule is not None
+    slot = job.schedule.next_tick(datetime.now(UTC))
+    assert jitter_bound(job, slot, 5.0) == 0.25
+    assert jitter_bound(job, slot, 0.1) == 0.1
+
+
+# --- missed-slot policies (app/catchup.py) ----------------------------------------------------
+
+
+async def test_missed_policies_all_and_latest(
+    make_settings: Callable[..., Settings], db: asyncpg.Connection
+) -> None:
+    """Slots after the job's last run nobody triggered (every instance down): `all` runs each,
+    oldest first, as backfills; `latest` (what catch_up=True is) only the due slot."""
+    from app import catchup
+
+    settings = make_settings(cron_jobs="tests.own_jobs")
+    database = Database(settings)
+    await database.open()
+    try:
+        await database.check(apply_migrations=False)
+        runner = Runner(settings, load(settings.job_modules), database)
+        now: datetime = await db.fetchval("SELECT date_trunc('second', now())")
+        last = now - timedelta(seconds=6)
+        for job in ("tick", "tick-latest"):
+            await db.execute(
+                "INSERT INTO cronlock.runs (job, slot, status, trigger, instance, started_at)"
+                " VALUES ($1, $2, 'succeeded', 'scheduled', 'gone', $2)",
+                job,
+                last,
+            )
+        outcomes = await catchup.catch_up(runner)
+    finally:
+        await database.close()
+    ran = {(o.job, o.slot) for o in outcomes if o.kind == "succeeded"}
+    tick = sorted(slot for job, slot in ran if job == "tick" and slot is not None)
+    latest = [slot for job, slot in ran if job == "tick-latest"]
+    # due = the newest tick past its 1 s grace: 1-2 s before now, depending on the moment.
+    assert tick[0] == last + timedelta(seconds=1)
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(tick))
+    assert len(latest) == 1
+    assert latest[0] == tick[-1]  # the due slot
+    assert [o.slot for o in outcomes if o.job == "tick"] == tick  # oldest first
+
+
+def test_missed_policy_declarations() -> None:
+    from app.errors import JobDefinitionError
+    from app.jobs import Job, JobContext, job
+
+    async def noop(ctx: JobContext) -> None:
+        return None
+
+    with pytest.raises(JobDefinitionError, match="drop catch_up"):
+        job("both-policies", every=5, catch_up=True, missed="all")(noop)
+    with pytest.raises(JobDefinitionError, match="choose one of"):
+        job("bad-policy", every=5, missed="some")(noop)  # type: ignore[arg-type]
+    with pytest.raises(JobDefinitionError, match="needs a schedule"):
+        job("no-schedule-policy", missed="all")(noop)
+    job("legacy-catch-up-no-schedule", catch_up=True)(noop)  # accepted (and ignored) as before
+    # Old configurations: catch_up=True is "latest"; a Job built by hand too.
+    assert Job("x", noop, catch_up=True).missed_policy == "latest"
+    assert Job("x", noop).missed_policy == "none"
