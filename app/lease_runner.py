@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import asyncpg
 from pydantic import ValidationError
 
-from app import lease
+from app import lease, ledger
 from app.db import deadline
 from app.errors import (
     DRIVER_ERRORS,
@@ -97,10 +97,13 @@ class LeaseRunner:
         source: str,
         *,
         takeover_only: bool = False,
+        retry_of: ledger.Run | None = None,
     ) -> Outcome | None:
         """Decide under the (job, key)'s lock, then start the run in the background.
 
-        `takeover_only` (the watcher): take an expired run over, or do nothing (None)."""
+        `takeover_only` (the watcher): take an expired run over, or do nothing (None).
+        `retry_of` (app/retries.py): the failed attempt this one retries, for its slot; its
+        checkpoint comes along, as for any next attempt at a slot."""
         runner, settings = self.runner, self.settings
         schema = settings.db_schema
         await self.db.ensure_ready()
@@ -144,8 +147,12 @@ class LeaseRunner:
                         )
                         if skip is not None:
                             return runner.skip(job, skip, slot, trigger, source, key)
+                        if retry_of is not None and await ledger.retried(conn, schema, retry_of.id):
+                            return runner.skip(job, "already retried", slot, trigger, source, key)
                         previous = (
-                            await lease.previous_attempt(conn, schema, job.name, key, slot)
+                            retry_of.id
+                            if retry_of is not None
+                            else await lease.previous_attempt(conn, schema, job.name, key, slot)
                             if slot is not None and trigger != "manual"
                             else None
                         )

@@ -73,14 +73,10 @@ async def pending(
     conn: Conn, registry: Registry, now: datetime, window: float
 ) -> dict[str, list[Verdict]]:
     """Per job with retries, its failed slots that will be retried (due or waiting)."""
-    # Lease jobs are left out until their runner takes `retry_of` (Runner.trigger hands them
-    # to `leases.start`, which does not yet): their takeover already resumes an abandoned
-    # attempt, and a retry here would start a second one.
-    jobs = {
-        name: j
-        for name, j in registry.items()
-        if j.retries > 0 and j.schedule is not None and j.lease is None
-    }
+    # Lease jobs too: an attempt whose holder died is taken over (its successor names it, so
+    # it is not one to retry here); a failed or timed-out one is retried like any other, and
+    # resumes from its checkpoint. Their takeovers are attempts as well, and count as such.
+    jobs = {name: j for name, j in registry.items() if j.retries > 0 and j.schedule is not None}
     if not jobs:
         return {}
     since = now - timedelta(seconds=window)

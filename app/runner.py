@@ -126,7 +126,9 @@ class Runner:
                 if skipped is not None:
                     return skipped
             if job.lease is not None:
-                started = await self.leases.start(job, key, trigger, slot, params, source)
+                started = await self.leases.start(
+                    job, key, trigger, slot, params, source, retry_of=retry_of
+                )
                 assert started is not None
                 # An accepted run is the lease runner's now: it clears `local` at its end.
                 handed_off = started.kind == "accepted"

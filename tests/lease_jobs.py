@@ -88,6 +88,20 @@ async def lease_slot(ctx: JobContext) -> int:
     return await work(ctx, ctx.params)
 
 
+@job(
+    "lease-retried",
+    schedule="* * * * *",
+    params=Items,
+    lease=LEASE,
+    timeout=120,
+    retries=2,
+    retry_delay=0.2,
+)
+async def lease_retried(ctx: JobContext) -> int:
+    """As lease-slot, retried by cronlock when an attempt fails."""
+    return await work(ctx, ctx.params)
+
+
 class Customer(BaseModel):
     customer_id: int = Field(ge=0)
     n: int = Field(default=20, ge=0, le=100_000)

@@ -266,6 +266,40 @@ async def test_a_failed_attempt_is_resumed_by_the_next_trigger_for_its_slot(
     assert third.json()["reason"] == "already done"
 
 
+async def test_cronlock_retries_a_failed_lease_attempt_from_its_checkpoint(
+    start_app: Starter, client: httpx.AsyncClient, effects_table: asyncpg.Connection
+) -> None:
+    a = await start(start_app, retry_poll_interval=0.2)
+    slot = (datetime.now(UTC) - timedelta(minutes=3)).replace(second=0, microsecond=0)
+    url = f"{a.url}/cron/lease-retried?slot={slot.isoformat().replace('+00:00', 'Z')}"
+    r = await client.post(
+        url, headers=AUTH, json={"n": 30, "batch": 5, "pause": 0.01, "fail_at": 15}
+    )
+    assert r.status_code == 202, r.text
+
+    async def succeeded() -> bool:
+        return bool(
+            await effects_table.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM cronlock.runs "
+                "WHERE job = 'lease-retried' AND status = 'succeeded')"
+            )
+        )
+
+    await wait_for(succeeded, 15, "the retry to succeed")
+    rows = await effects_table.fetch(
+        "SELECT id, status, attempt, retry_of, source, slot FROM cronlock.runs ORDER BY id"
+    )
+    assert [(x["status"], x["attempt"], x["source"]) for x in rows] == [
+        ("failed", 1, "http"),
+        ("succeeded", 2, "retry"),
+    ]
+    assert rows[1]["retry_of"] == rows[0]["id"]
+    assert rows[1]["slot"] == slot
+    # Resumed from the failed attempt's checkpoint: each item once.
+    assert await items(effects_table, "lease-retried") == 30
+    assert await duplicates(effects_table, "lease-retried") == []
+
+
 async def test_cancel_reaches_a_lease_run_through_its_holder(
     start_app: Starter,
     client: httpx.AsyncClient,
