@@ -510,7 +510,7 @@ async def cancel(
     if first is None:
         return None
     if first.kind == "lease":
-        return await _cancel_lease(conn, registry, settings, first, wait)
+        return await _cancel_lease(conn, registry, settings, first, wait, by)
     assert first.pid is not None
     if first.job_key is not None:
         lock = registry.lock(job, first.job_key)
@@ -598,7 +598,7 @@ async def _expired_lease(
 
 
 async def _cancel_lease(
-    conn: Conn, registry: Registry, settings: Settings, first: LockView, wait: float
+    conn: Conn, registry: Registry, settings: Settings, first: LockView, wait: float, by: str
 ) -> Cancelled:
     """A lease run is stopped by its holder, which sees the request at its next step or lease
     renewal (within a third of the lease), records it `cancelled` and ends its job; a run with
@@ -614,7 +614,7 @@ async def _cancel_lease(
         with deadline(conn, settings.db_query_timeout):
             async with reading(conn):
                 done, run_id = await lease.request_cancel(
-                    conn, registry.schema, first.job, first.job_key, "cli"
+                    conn, registry.schema, first.job, first.job_key, by
                 )
         if run_id is not None:
             signalled, last = True, run_id
@@ -629,7 +629,7 @@ async def _cancel_lease(
         with deadline(conn, settings.db_query_timeout):
             async with reading(conn):
                 view = await run(conn, registry, last)
-    return Cancelled(first, signalled, released, view)
+    return Cancelled(first, signalled, released, view, "holder" if signalled else "none")
 
 
 async def signal_holder(conn: Conn, pid: int, *, terminate: bool) -> bool:

@@ -340,7 +340,7 @@ async def cancel(request: Request, name: str) -> Response:
         key = fields.get("key") or None
         async with db.connection(bounded=False) as conn:
             done = await ops.cancel(
-                conn, registry, settings, name, terminate=False, wait=3.0, key=key
+                conn, registry, settings, name, terminate=False, wait=3.0, key=key, by="ui"
             )
             async with ops.reading(conn):
                 await session.record(
