@@ -423,6 +423,7 @@ def _controller(sink: Sink) -> tuple[Controller, int]:
     return controller, port
 
 
+@pytest.mark.slow  # scale by design (2,000 emails, 20 connections): 5-15 s
 async def test_smtp_reuses_connections_for_many_messages() -> None:
     """2,000 emails over a few connections (RSET between messages, at most 100 each), each
     delivered once."""
