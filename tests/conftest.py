@@ -31,6 +31,7 @@ from tests.support.delivery import API_KEY
 from tests.support.faults import start_cluster
 from tests.support.instances import INSTANCE_STOP_GRACE, Instances
 from tests.support.postgres import (
+    Clones,
     ExternalPostgres,
     PostgresServer,
     ScratchPostgres,
@@ -119,10 +120,20 @@ async def template_database(pg_server: PostgresServer) -> AsyncIterator[str]:
     await drop_database(admin, name)
 
 
+@pytest.fixture(scope="session")
+async def clones(pg_server: PostgresServer, template_database: str) -> AsyncIterator[Clones]:
+    """Copies of the template for `database_url`, each made while the test before runs."""
+    made = Clones(pg_server, template_database)
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
 @pytest.fixture
-async def database_url(pg_server: PostgresServer, template_database: str) -> AsyncIterator[str]:
+async def database_url(clones: Clones) -> AsyncIterator[str]:
     """A fresh, migrated database for this test only (dropped afterwards)."""
-    async with cloned_database(pg_server, template_database) as url:
+    async with clones.database() as url:
         yield url
 
 

@@ -399,6 +399,7 @@ async def test_batch_size_one_still_delivers_batches_formed_earlier(
     assert len(provider.requests) == 3
 
 
+@pytest.mark.slow  # starts processes (an outbox worker): not in --fast
 async def test_drain_once_waits_for_a_batch_in_backoff(
     db: asyncpg.Connection, database_url: str, provider: Provider, tmp_path: Path
 ) -> None:
@@ -462,6 +463,7 @@ async def test_a_failed_formation_gives_back_the_batches_claimed_before_it(
 PROOF_EMAILS = int(os.environ.get("BATCH_PROOF_EMAILS", "6000"))
 
 
+@pytest.mark.slow  # scale by design (6,000 emails at 2 requests/s: ~30 s), outbox workers
 async def test_two_senders_deliver_at_the_providers_request_limit_times_the_batch(
     db: asyncpg.Connection, database_url: str, tmp_path: Path
 ) -> None:
@@ -504,6 +506,7 @@ async def test_two_senders_deliver_at_the_providers_request_limit_times_the_batc
     assert provider.limited <= 2  # our bucket is the provider's: at most a jitter's 429
 
 
+@pytest.mark.slow  # starts processes (outbox workers, one killed): not in --fast
 async def test_sender_killed_mid_batch_each_email_once(
     db: asyncpg.Connection, database_url: str, tmp_path: Path
 ) -> None:

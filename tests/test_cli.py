@@ -294,6 +294,7 @@ def test_a_bad_argument_is_exit_2_with_a_message_never_a_traceback(
         assert "Traceback" not in err
 
 
+@pytest.mark.slow  # starts processes (the CLI): not in --fast
 def test_a_bad_argument_in_the_process(cli_env: dict[str, str]) -> None:
     for args, message in (BAD_ARGUMENTS[0], BAD_ARGUMENTS[5]):
         done = run_process(cli_env, *args)

@@ -14,6 +14,9 @@ import pytest
 from app.embedded import LocalPostgres, PostgresError
 from tests.support.postgres import ScratchPostgres, start_standby
 
+# Starts PostgreSQL servers of its own (initdb, a kill -9, a standby): not in --fast.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def scratch() -> Iterator[Path]:

@@ -270,6 +270,7 @@ def run_scheduler_once(
     return [line.split() for line in calls.read_text().splitlines()]
 
 
+@pytest.mark.slow  # starts processes (a shell per simulated minute): not in --fast
 def test_compose_scheduler_fires_jobs_at_their_utc_entries(
     registry: Registry, tmp_path: Path
 ) -> None:
@@ -403,6 +404,7 @@ def test_yaml_writer_round_trips_tricky_values() -> None:
 # --- the command ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts processes (the CLI): not in --fast
 def test_schedule_export_command(tmp_path: Path) -> None:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("CRON_", "DATABASE_"))},

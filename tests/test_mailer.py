@@ -423,6 +423,10 @@ def _controller(sink: Sink) -> tuple[Controller, int]:
     return controller, port
 
 
+# Unmeasured: the other SMTP tests cover its lines, and measuring 2,000 messages took 38 s
+# of a full run instead of about 10.
+@pytest.mark.slow  # scale by design (2,000 emails, 20 connections): 5-15 s
+@pytest.mark.no_cover
 async def test_smtp_reuses_connections_for_many_messages() -> None:
     """2,000 emails over a few connections (RSET between messages, at most 100 each), each
     delivered once."""

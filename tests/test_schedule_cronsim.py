@@ -286,6 +286,7 @@ def test_each_exclusion_is_real() -> None:
     ]
 
 
+@pytest.mark.slow  # starts a process and waits out its 1 s timeout by design
 def test_cronsim_loops_where_midnight_repeats() -> None:
     """The MIDNIGHT_LOOP exclusion: St John's went back from 00:01 to 23:01 on 2009-11-01."""
     assert date(2009, 11, 1) in repeated_midnights("America/St_Johns")
