@@ -231,9 +231,10 @@ async def test_a_frozen_holder_wakes_up_and_commits_nothing(
     error = await db.fetchval("SELECT error FROM cronlock.runs WHERE id = $1", first)
     assert f"taken over by run {successor['id']}" in error
     # And counted it; the instance that took over counted its takeover.
-    assert await counter(client, stale, LOST) == before[stale.name][0] + 1
+    # At least: under load a 2 s lease can also be lost (and taken over) once more later on.
+    assert await counter(client, stale, LOST) >= before[stale.name][0] + 1
     taker = next(i for i in cluster.instances if i.name == successor["instance"])
-    assert await counter(client, taker, TAKEN) == before[taker.name][1] + 1
+    assert await counter(client, taker, TAKEN) >= before[taker.name][1] + 1
 
 
 async def test_sigterm_hands_the_run_over_at_once(
