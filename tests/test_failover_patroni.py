@@ -1,19 +1,24 @@
 """Exactly once across a real failover: a Patroni pair (tests/support/patroni.py), two
 instances behind nginx on a multi-host DATABASE_URL (target_session_attrs=read-write), under
 load (backfilled slots, slow runs in flight, the digest and its outbox delivering to a
-provider that honours idempotency keys), through a switchover and a hard failover (Patroni
-and the primary's PostgreSQL killed together) with synchronous replication.
+provider that honours idempotency keys, a lease run stepping through the fault), through a
+switchover and a hard failover (Patroni and the primary's PostgreSQL killed together) with
+synchronous replication.
 
 Afterwards, in the surviving database: no effect twice, every slot with exactly one succeeded
-run, every `200 processed` in the ledger with its effect, each email key accepted once, no
-lock, `running` row or open transaction left, every instance serving without a restart.
+run, every `200 processed` in the ledger with its effect, each email key accepted once, the
+lease run taken over on the new primary from its last replicated checkpoint and succeeded
+with each item committed once in its attempt chain, no lock, `running` row or open
+transaction left, every instance serving without a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -23,6 +28,7 @@ import httpx
 import pytest
 
 from app.schema import migrate, migration_sets
+from tests.soak_jobs import LEASE_ITEMS_SQL
 from tests.support.cluster import Instance, Nginx, PgBouncer
 from tests.support.delivery import API_KEY
 from tests.support.history import History, fire, leftovers, minute_slots, settle_slots, violations
@@ -30,14 +36,22 @@ from tests.support.instances import Instances
 from tests.support.patroni import HAProxy, PatroniCluster
 from tests.support.postgres import create_database, unique_name
 from tests.support.provider import Provider
+from tests.support.soak import lease_violations
 from tests.util import AUTH
 
 USERS = 20
 SLOTS = 30
 LOAD_SECONDS = 45.0
+# The lease run (tests/soak_jobs.py `soak-lease`, lease 8 s): started before the fault, ten
+# steps half a second apart, so that it has committed steps before the fault and has some
+# left after it.
+LEASE_STEPS = 10
+LEASE_PAUSE = 0.5
 
 ENV = {
-    "CRON_JOBS": "tests.jobs,app.demo.digest",
+    "CRON_JOBS": "tests.jobs,tests.soak_jobs,app.demo.digest",
+    # A run whose lease ran out is taken over within half a second of it.
+    "LEASE_POLL_INTERVAL": "0.5",
     "OUTBOX_ENABLED": "true",
     "EMAIL_BACKEND": "http",
     "EMAIL_API_KEY": API_KEY,
@@ -67,6 +81,7 @@ async def ha_url(patroni_cluster: PatroniCluster) -> str:
     conn = await asyncpg.connect(leader.dsn(name))
     try:
         await migrate(conn, "cronlock", migration_sets(["app.demo.digest"]))
+        await conn.execute(LEASE_ITEMS_SQL)  # the lease run's items (tests/soak_jobs.py)
         await conn.execute(
             "INSERT INTO cronlock_demo.users (email) "
             "SELECT 'user' || i || '@example.com' FROM generate_series(1, $1) AS i",
@@ -143,6 +158,14 @@ async def primary_conn(url: str) -> asyncpg.Connection:
             await asyncio.sleep(0.2)
 
 
+@dataclass
+class Load:
+    history: History
+    took: float  # the fault, from its start until the new primary leads
+    fault_began: datetime
+    fault_ended: datetime
+
+
 async def failover_under_load(
     cluster: PatroniCluster,
     url: str,
@@ -150,22 +173,24 @@ async def failover_under_load(
     nginx: Nginx,
     provider: Provider,
     fault: Callable[[], object],
-) -> tuple[History, float]:
-    """Load through nginx, `fault` injected after a second and a half; returns the history
-    and how long the fault took (from its start until the new primary leads)."""
+) -> Load:
+    """Load through nginx, `fault` injected after a second and a half."""
     history = History()
     base = nginx.url
     slots = minute_slots(datetime.now(UTC), SLOTS)
     stop = time.monotonic() + LOAD_SECONDS
     took = 0.0
+    began = ended = datetime.now(UTC)
 
     async with httpx.AsyncClient(limits=httpx.Limits(keepalive_expiry=2.0)) as client:
 
         async def inject() -> None:
-            nonlocal took
+            nonlocal took, began, ended
             await asyncio.sleep(1.5)
             start = time.monotonic()
+            began = datetime.now(UTC)
             await asyncio.to_thread(fault)
+            ended = datetime.now(UTC)
             took = time.monotonic() - start
 
         async def slow_runs() -> None:
@@ -175,6 +200,15 @@ async def failover_under_load(
                 await fire(client, base, "slow", history, params={"seconds": 0.4})
             for _ in range(3):
                 await fire(client, base, "slow", history, params={"seconds": 0.1})
+
+        async def lease_run() -> None:
+            # A lease run stepping when the primary goes; it goes on after its 202, and
+            # check_lease_run waits for it.
+            await asyncio.sleep(0.3)
+            params = {"n": LEASE_STEPS, "pause": LEASE_PAUSE}
+            while (await fire(client, base, "soak-lease", history, params=params)).status != 202:
+                assert not injected.done(), "the lease run was not started before the fault"
+                await asyncio.sleep(0.1)
 
         async def digest() -> None:
             await asyncio.sleep(1.4)  # queued around the fault
@@ -190,16 +224,60 @@ async def failover_under_load(
             )
 
         injected = asyncio.ensure_future(inject())
-        unsettled, *_ = await asyncio.gather(settle(), slow_runs(), digest(), injected)
+        unsettled, *_ = await asyncio.gather(settle(), slow_runs(), lease_run(), digest(), injected)
     assert unsettled == [], f"slots never settled: {unsettled}"
-    return history, took
+    return Load(history, took, began, ended)
+
+
+async def check_lease_run(db: asyncpg.Connection, load: Load) -> None:
+    """The lease run stepped before the fault and after it; it was taken over on the new
+    primary (a row written after the fault began is on it: the old primary is gone or a
+    replica), resumed from the last checkpoint that reached it, and succeeded; each item
+    committed once in the attempt chain (tests/support/soak.py `lease_violations`)."""
+    deadline = time.monotonic() + 30
+    while await db.fetchval(
+        "SELECT count(*) FROM cronlock.runs WHERE job = 'soak-lease' AND status = 'running'"
+    ):
+        assert time.monotonic() < deadline, "the lease run still running 30 s after the load"
+        await asyncio.sleep(0.2)
+    problems = await lease_violations(db)
+    assert problems == [], problems
+    attempts = await db.fetch(
+        """SELECT id, attempt, retry_of, status, instance, started_at, error
+           FROM cronlock.runs WHERE job = 'soak-lease' ORDER BY id"""
+    )
+    items = await db.fetch("SELECT run_id, item, at FROM soak_lease_items ORDER BY at")
+    chain = ", ".join(
+        f"run {a['id']} (attempt {a['attempt']}, {a['instance']}, {a['status']}): items "
+        f"{[i['item'] for i in items if i['run_id'] == a['id']]}"
+        for a in attempts
+    )
+    print(f"lease run: {chain}")
+    # One chain: each attempt continues the one before; the last succeeded with every item.
+    assert [a["attempt"] for a in attempts] == list(range(1, len(attempts) + 1)), chain
+    assert all(a["retry_of"] == b["id"] for b, a in itertools.pairwise(attempts)), chain
+    assert attempts[-1]["status"] == "succeeded", chain
+    # In commit order, 1..n: each attempt resumed right after the last committed checkpoint.
+    assert [i["item"] for i in items] == list(range(1, LEASE_STEPS + 1)), chain
+    # In flight across the fault: items committed before it began and after it ended.
+    assert any(i["at"] < load.fault_began for i in items), chain
+    assert any(i["at"] > load.fault_ended for i in items), chain
+    # Taken over after the fault began: each earlier attempt closed by the takeover.
+    assert len(attempts) >= 2, f"the lease run was not taken over: {chain}"
+    assert attempts[1]["started_at"] > load.fault_began, chain
+    for before, after in itertools.pairwise(attempts):
+        assert before["status"] == "abandoned", chain
+        assert f"taken over by run {after['id']}" in before["error"], chain
 
 
 async def check_after(
-    url: str, history: History, instances: list[Instance], nginx: Nginx, provider: Provider
+    url: str, load: Load, instances: list[Instance], nginx: Nginx, provider: Provider
 ) -> None:
+    history = load.history
     db = await primary_conn(url)
     try:
+        await check_lease_run(db, load)
+
         # Every queued email goes out, each key accepted once by the provider.
         async def all_sent() -> bool:
             pending = await db.fetchval(
@@ -265,12 +343,12 @@ async def test_switchover_under_load(
     instances, nginx = ha_instances
     patroni_cluster.wait_healthy()
     before = patroni_cluster.timeline()
-    history, took = await failover_under_load(
+    load = await failover_under_load(
         patroni_cluster, ha_url, instances, nginx, provider, patroni_cluster.switchover
     )
     assert patroni_cluster.timeline() == before + 1
-    print(f"switchover: {took:.1f} s; answers {dict(history.by_status())}")
-    await check_after(ha_url, history, instances, nginx, provider)
+    print(f"switchover: {load.took:.1f} s; answers {dict(load.history.by_status())}")
+    await check_after(ha_url, load, instances, nginx, provider)
 
 
 async def test_switchover_through_haproxy_and_pgbouncer(
@@ -283,11 +361,12 @@ async def test_switchover_through_haproxy_and_pgbouncer(
     PgBouncer's server connections to the new leader."""
     instances, nginx = pooled_instances
     patroni_cluster.wait_healthy()
-    history, took = await failover_under_load(
+    load = await failover_under_load(
         patroni_cluster, ha_url, instances, nginx, provider, patroni_cluster.switchover
     )
-    print(f"switchover (HAProxy, PgBouncer): {took:.1f} s; answers {dict(history.by_status())}")
-    await check_after(ha_url, history, instances, nginx, provider)
+    answers = dict(load.history.by_status())
+    print(f"switchover (HAProxy, PgBouncer): {load.took:.1f} s; answers {answers}")
+    await check_after(ha_url, load, instances, nginx, provider)
 
 
 async def test_hard_failover_with_synchronous_replication(
@@ -306,8 +385,8 @@ async def test_hard_failover_with_synchronous_replication(
         30,
         "a synchronous standby",
     )
-    history, took = await failover_under_load(
+    load = await failover_under_load(
         patroni_cluster, ha_url, instances, nginx, provider, patroni_cluster.fail
     )
-    print(f"hard failover: {took:.1f} s; answers {dict(history.by_status())}")
-    await check_after(ha_url, history, instances, nginx, provider)
+    print(f"hard failover: {load.took:.1f} s; answers {dict(load.history.by_status())}")
+    await check_after(ha_url, load, instances, nginx, provider)
