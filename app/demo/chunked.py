@@ -15,7 +15,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from app import outbox
-from app.demo.digest import SENDER
+from app.demo.digest import PER_SLOT_SQL, QUEUED_SQL, SENDER
 from app.jobs import JobContext, job
 from app.sql import qualify
 
@@ -25,12 +25,8 @@ CRONLOCK_MIGRATIONS = "migrations"
 # one-transaction digest does (see app/demo/digest.py for the key, the subject and why a
 # plain INSERT), returning how many were queued and the chunk's last id. The primary key
 # walks the chunks; the due filter skips users a previous attempt already stamped.
-CHUNK_SQL = """
-WITH per_slot AS (
-    SELECT format('%s:%s:', $2::text, extract(epoch FROM $1::timestamptz)::bigint) AS key,
-           'Your daily digest for '
-               || to_char($1::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS subject
-), chunk AS (
+CHUNK_SQL = f"""
+WITH {PER_SLOT_SQL}, chunk AS (
     SELECT id FROM cronlock_demo.users
     WHERE id > $4 AND digest_enabled AND (last_digest_at IS NULL OR last_digest_at < $1)
     ORDER BY id
@@ -40,14 +36,7 @@ WITH per_slot AS (
     SET last_digest_at = greatest(now(), $1::timestamptz)
     FROM chunk WHERE u.id = chunk.id
     RETURNING u.id, u.email
-), queued AS (
-    INSERT INTO {schema}.email_outbox (idempotency_key, job, slot, user_id, sender, recipient,
-                              subject, body)
-    SELECT per_slot.key || due.id, $2, $1, due.id, $3, due.email, per_slot.subject,
-           'Hello ' || due.email || E',\n\nhere is what happened since your last digest.\n'
-    FROM due CROSS JOIN per_slot
-    RETURNING user_id
-)
+), {QUEUED_SQL}
 SELECT count(*) AS queued, max(user_id) AS last_id FROM queued
 """
 

@@ -22,26 +22,32 @@ CRONLOCK_MIGRATIONS = "migrations"
 # for a (job, slot, user) out, and the unique indexes (on it, and on the idempotency key made
 # from it) stay the last guard. A state that would break them (`last_digest_at` moved back by
 # hand) fails the run, loudly and with nothing sent, rather than skipping users in silence.
-DIGEST_SQL = """
-WITH per_slot AS (
+# The parts of the statement the chunked digest (app/demo/chunked.py) shares: the per-slot
+# constants, and the queueing of the `due` users' emails.
+PER_SLOT_SQL = """
+per_slot AS (
     SELECT format('%s:%s:', $2::text, extract(epoch FROM $1::timestamptz)::bigint) AS key,
            'Your daily digest for '
                || to_char($1::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS subject
-), due AS (
+)"""
+QUEUED_SQL = """
+queued AS (
+    INSERT INTO {schema}.email_outbox (idempotency_key, job, slot, user_id, sender, recipient,
+                              subject, body)
+    SELECT per_slot.key || due.id, $2, $1, due.id, $3, due.email, per_slot.subject,
+           'Hello ' || due.email || E',\n\nhere is what happened since your last digest.\n'
+    FROM due CROSS JOIN per_slot
+    RETURNING user_id
+)"""
+DIGEST_SQL = f"""
+WITH {PER_SLOT_SQL}, due AS (
     UPDATE cronlock_demo.users
     -- Never before the slot: a run triggered a little early (within the job's early
     -- tolerance) would otherwise leave its users due for the same slot.
     SET last_digest_at = greatest(now(), $1::timestamptz)
     WHERE digest_enabled AND (last_digest_at IS NULL OR last_digest_at < $1)
     RETURNING id, email
-), queued AS (
-    INSERT INTO {schema}.email_outbox (idempotency_key, job, slot, user_id, sender, recipient,
-                              subject, body)
-    SELECT per_slot.key || due.id, $2, $1, due.id, $3, due.email, per_slot.subject,
-           'Hello ' || due.email || E',\n\nhere is what happened since your last digest.\n'
-    FROM due CROSS JOIN per_slot
-    RETURNING 1
-)
+), {QUEUED_SQL}
 SELECT count(*) FROM queued
 """
 
