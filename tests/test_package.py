@@ -25,7 +25,15 @@ def test_the_wheel_holds_only_the_product(tmp_path: Path) -> None:
     names = {n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in n}
     shipped_sql = {str(p.relative_to(REPO)) for p in (REPO / "app").rglob("*.sql")}
     modules = {str(p.relative_to(REPO)) for p in (REPO / "app").rglob("*.py")}
-    assert names == modules | shipped_sql | {"app/py.typed"}
+    # The dashboard's templates and static files are product too (app/ui).
+    ui = {
+        str(p.relative_to(REPO))
+        for folder in ("templates", "static")
+        for p in (REPO / "app" / "ui" / folder).rglob("*")
+        if p.is_file()
+    }
+    assert ui, "the dashboard's files are found"
+    assert names == modules | shipped_sql | ui | {"app/py.typed"}
     assert not any(n.startswith(("tests/", "bench/", "scripts/")) for n in names)
     # What only tests and benchmarks need lives with them.
     assert "app/cluster.py" not in names
