@@ -1,5 +1,5 @@
 """Alerts that arrive: Healthchecks.io-style pings and Standard Webhooks-signed webhooks,
-through a durable queue in the database (`<DB_SCHEMA>.alerts`, migration 0010).
+through a durable queue in the database (`<DB_SCHEMA>.alerts`, migration 0009).
 
 Events come from the database, not from the process that saw them happen: every instance's
 alert loop reads the ledger (runs started or finished since its last look), the due slots

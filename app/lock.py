@@ -291,8 +291,8 @@ async def reset_session(
 # the ledger is not read.
 # Migration 0005 gave the function the run's key (the ledger's done slot is per key); its
 # five-argument form stays for instances of the previous release during a rolling deploy.
-# Migration 0008 added `with_lease`: a lease job's run is running while its lease is live.
-# Migration 0009 added whether the job is paused (app/pause.py), in an eight-argument form.
+# Migration 0008 added `with_lease` (a lease job's run is running while its lease is live) and
+# whether the job is paused (app/pause.py), in an eight-argument form.
 PROBE_SQL = (
     "SELECT db_now, standby, done_slot, running, paused"
     " FROM {schema}.probe($1, $2, $3, $4, $5, $6, $7, true)"

@@ -1,10 +1,10 @@
 """Pause and resume: the only module that speaks SQL about `<DB_SCHEMA>.pauses` (migration
-0009).
+0008).
 
 A paused job is skipped ("paused") by every run that is not manual: scheduled triggers, the
 built-in scheduler, backfill, catch-up and retries; `force=true` still runs it. The state is a
 row in the database, so every instance agrees the moment it commits. It is checked twice: in
-the probe (one round trip for the skip, see migration 0009) and under the job's lock, so that a
+the probe (one round trip for the skip, see migration 0008) and under the job's lock, so that a
 pause committed between the probe and the lock still stops the run.
 
 A pause with `until` ends on its own at that time (the database's clock); resume deletes the

@@ -11,10 +11,12 @@ CREATE TABLE {schema}.pauses (
     CHECK (until IS NULL OR until > paused_at)
 );
 
--- The probe (0008) that also says whether the job is paused, so that a paused job's skip stays
--- one round trip. A new signature rather than a replacement, as 0005 and 0008 did: instances
--- of the previous release keep calling the seven-argument form during a rolling deploy. A
--- paused job answers at once: neither the ledger, pg_locks nor the leases are read.
+-- The probe (0005) for this release's jobs: whether the job is paused, so that a paused job's
+-- skip stays one round trip (a paused job answers at once: neither the ledger, pg_locks nor
+-- the leases are read), and for lease jobs (`with_lease`) whether a lease is live, since a
+-- lease run holds no advisory lock between its steps (app/lease.py). A new signature rather
+-- than a replacement, as 0005 did: instances of the previous release keep calling the
+-- six-argument form during a rolling deploy.
 CREATE FUNCTION {schema}.probe(job_name text, run_key text, lock_classid oid, lock_objid oid,
                                with_ledger boolean, done_hint timestamptz, with_lease boolean,
                                with_pause boolean)
