@@ -69,7 +69,6 @@ class Holding:
     job: Job
     fence: lease.Fence
     ctx: JobContext
-    trigger: Trigger
     source: str
     deadline: float  # monotonic: the run's deadline (the job's timeout, across attempts)
     started: float = field(default_factory=time.monotonic)
@@ -317,7 +316,7 @@ class LeaseRunner:
             checkpoint=begun.checkpoint,
             steps=fence,
         )
-        holding = Holding(job, fence, ctx, trigger, source, time.monotonic() + max(0.0, left))
+        holding = Holding(job, fence, ctx, source, time.monotonic() + max(0.0, left))
         holding.task = asyncio.create_task(
             self._run(holding), name=f"lease:{job.name}:{begun.run_id}"
         )
@@ -434,21 +433,9 @@ class LeaseRunner:
         duration: float | None = None,
         reason: str | None = None,
     ) -> Outcome:
-        if duration is None:
-            duration = (time.monotonic() - h.started) * 1000
-        outcome = Outcome(
-            h.job.name,
-            kind,
-            h.ctx.run_id,
-            h.ctx.slot,
-            processed,
-            round(duration, 3),
-            reason,
-            h.trigger,
-            h.ctx.key,
+        return self.runner.finished(
+            h.ctx, kind, h.source, h.started, processed=processed, duration=duration, reason=reason
         )
-        self.runner.log_outcome(outcome, h.source)
-        return outcome
 
     async def settle(self, run_id: int) -> Outcome | None:
         """Wait for a run this instance holds to end (the CLI's `run` of a lease job)."""

@@ -491,18 +491,41 @@ class Runner:
         duration: float | None = None,
         reason: str | None = None,
     ) -> Outcome:
-        if duration is None:
-            duration = (time.monotonic() - lease.started) * 1000
-        outcome = Outcome(
-            lease.job.name,
+        return self.finished(
+            lease.ctx,
             kind,
-            lease.ctx.run_id,
-            lease.ctx.slot,
+            source,
+            lease.started,
+            processed=processed,
+            duration=duration,
+            reason=reason,
+        )
+
+    def finished(
+        self,
+        ctx: JobContext,
+        kind: Kind,
+        source: str,
+        started: float,
+        *,
+        processed: Any = None,
+        duration: float | None = None,
+        reason: str | None = None,
+    ) -> Outcome:
+        """The outcome of a run that took the lock (or a lease), logged and counted once; the
+        duration defaults to the time since `started` (monotonic)."""
+        if duration is None:
+            duration = (time.monotonic() - started) * 1000
+        outcome = Outcome(
+            ctx.job.name,
+            kind,
+            ctx.run_id,
+            ctx.slot,
             processed,
             round(duration, 3),
             reason,
-            lease.ctx.trigger,
-            lease.ctx.key,
+            ctx.trigger,
+            ctx.key,
         )
         self.log_outcome(outcome, source)
         return outcome
