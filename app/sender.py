@@ -18,9 +18,9 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -42,6 +42,7 @@ from app.outbox import (
     PRUNE_INTERVAL,
     Batch,
     BatchMark,
+    BatchMarked,
     Claim,
     Mark,
     Row,
@@ -63,6 +64,8 @@ from app.schema import notify_channel
 from app.settings import Settings
 
 log = logging.getLogger("cronlock.outbox")
+
+T = TypeVar("T")
 
 
 # An outcome waiting for the next group write: claim token, row id, outcome, the writer's answer.
@@ -326,29 +329,42 @@ class Sender:
         delay = self._backoff(row.attempts, result.retry_after)
         return Mark("retry", delay=delay, error=result.error or "retryable failure")
 
+    async def _while_leased(
+        self, write: Callable[[], Awaitable[T]], deadline: float, what: str
+    ) -> tuple[bool, T | None]:
+        """Write an outcome, again after a database outage while the claim's lease lasts:
+        (True, what `write` returned), or (False, None) once the lease is too near its end, when
+        the row or batch comes back on its own and is sent again under the same key."""
+        s = self.settings
+        while True:
+            try:
+                return True, await write()
+            except DATABASE_ERRORS as exc:
+                if time.monotonic() + s.outbox_poll_interval >= deadline:
+                    log.warning(
+                        "could not record %s: %s; it is retried after its lease",
+                        what,
+                        describe(exc),
+                    )
+                    return False, None
+                await asyncio.sleep(min(1.0, s.outbox_poll_interval))
+
     async def _finish(self, batch: Claim, row: Row, outcome: Mark) -> None:
         """Write the outcome; a database outage is retried while the lease lasts, after that
         the row comes back on its own and is sent again with the same key. An outcome the
         database refuses is not retried (the writer has logged it): the row waits out its
         lease."""
-        s = self.settings
-        while True:
-            try:
-                status = await self._record(batch.token, row.id, outcome)
-                break
-            except OutcomeRefused:
-                self.stats.unwritten += 1
-                return  # logged by the writer; the row comes back after its lease
-            except DATABASE_ERRORS as exc:
-                if time.monotonic() + s.outbox_poll_interval >= batch.deadline:
-                    log.warning(
-                        "could not record outbox row %s as %s: %s; it is retried after its lease",
-                        row.id,
-                        outcome.outcome,
-                        describe(exc),
-                    )
-                    return
-                await asyncio.sleep(min(1.0, s.outbox_poll_interval))
+        try:
+            written, status = await self._while_leased(
+                lambda: self._record(batch.token, row.id, outcome),
+                batch.deadline,
+                f"outbox row {row.id} as {outcome.outcome}",
+            )
+        except OutcomeRefused:
+            self.stats.unwritten += 1
+            return  # logged by the writer; the row comes back after its lease
+        if not written:
+            return
         if status is None:
             self.stats.lost += 1
             log.warning(
@@ -586,28 +602,23 @@ class Sender:
         """As `_finish`, for a batch: an outage is retried while the lease lasts; after that
         the batch comes back on its own and is sent again, the same bytes under the same key."""
         s = self.settings
-        while True:
-            try:
-                async with self._connection() as conn:
-                    marked = await mark_batch(
-                        conn,
-                        batch,
-                        outcome,
-                        schema=s.db_schema,
-                        max_attempts=s.outbox_max_attempts,
-                        retry_window=s.outbox_retry_window,
-                    )
-                break
-            except DATABASE_ERRORS as exc:
-                if time.monotonic() + s.outbox_poll_interval >= batch.deadline:
-                    log.warning(
-                        "could not record outbox batch %s as %s: %s; it is retried after its lease",
-                        batch.id,
-                        outcome.outcome,
-                        describe(exc),
-                    )
-                    return
-                await asyncio.sleep(min(1.0, s.outbox_poll_interval))
+
+        async def write() -> BatchMarked | None:
+            async with self._connection() as conn:
+                return await mark_batch(
+                    conn,
+                    batch,
+                    outcome,
+                    schema=s.db_schema,
+                    max_attempts=s.outbox_max_attempts,
+                    retry_window=s.outbox_retry_window,
+                )
+
+        written, marked = await self._while_leased(
+            write, batch.deadline, f"outbox batch {batch.id} as {outcome.outcome}"
+        )
+        if not written:
+            return
         if marked is None:
             self.stats.lost += batch.size
             log.warning(
