@@ -14,7 +14,7 @@ import pytest
 from app.jobs import Job
 from app.ops import RunView
 from app.schedule import Schedule
-from app.ui import features, timeline, words
+from app.ui import timeline, words
 from app.ui.session import CSP
 from tests.support import TEST_SECRET, auth_headers
 from tests.support.asgi import InProcess, StartApp
@@ -315,19 +315,6 @@ async def test_cancel_when_not_running(start_app: StartApp) -> None:
         assert r.headers["location"] == "/ui/jobs/fast?notice=not-running"
 
 
-@pytest.mark.skipif(features.PAUSE, reason="this version pauses jobs")
-async def test_pause_renders_nothing_while_the_feature_is_absent(start_app: StartApp) -> None:
-    app = await ui_app(start_app)
-    async with User(app) as user:
-        await user.login(TEST_SECRET)
-        page = await user.http.get("/ui/jobs/fast")
-        assert "Pause" not in page.text
-        assert "failing, retry" not in page.text
-        r = await user.act("/ui/jobs/fast/pause", note="x")
-        assert r.status_code == 404
-
-
-@pytest.mark.skipif(not features.PAUSE, reason="pause/resume is not in this version yet")
 async def test_pause_and_resume_are_recorded(
     start_app: StartApp, db: asyncpg.Connection, client: httpx.AsyncClient
 ) -> None:
@@ -536,8 +523,7 @@ def test_masking() -> None:
 
 
 def test_paused_and_failing_badges_render_from_the_views_fields() -> None:
-    """What the "on its own" feature adds to a job's view (`paused`, `retry`) becomes its
-    badges: the adapter and the template, without that feature's tables."""
+    """A job view's `paused` and `retry` become its badges (the template alone, escaped)."""
     from types import SimpleNamespace
 
     from app.ui.pages import templates
@@ -550,17 +536,19 @@ def test_paused_and_failing_badges_render_from_the_views_fields() -> None:
         paused=SimpleNamespace(by="ui (secret)", at=until, note=HOSTILE, until=until),
         retry=SimpleNamespace(retry=2, of=3),
     )
-    failing = features.failing(view)  # type: ignore[arg-type]
-    assert failing == features.Failing(retry=2, of=3)
-    row = {"view": view, "failing": failing, "paused": features.paused(view)}  # type: ignore[arg-type]
+    row = {"view": view, "failing": view.retry, "paused": view.paused}
     html = templates.get_template("_badges.html").render(row=row, root="")
     assert "failing, retry 2 of 3" in html
     assert "paused by ui (secret) until 2026-12-04 08:00:00 UTC: &lt;script&gt;" in html
     assert RAW not in html
     assert ">ok<" not in html
     plain = SimpleNamespace(overdue=False, running=False, running_keys=[])
-    assert features.failing(plain) is None  # type: ignore[arg-type]
-    assert features.paused(plain) is None  # type: ignore[arg-type]
+    quiet = templates.get_template("_badges.html").render(
+        row={"view": plain, "failing": None, "paused": None}, root=""
+    )
+    assert "failing" not in quiet
+    assert "paused" not in quiet
+    assert ">ok<" in quiet
 
 
 async def test_the_less_common_shapes_render(

@@ -30,7 +30,6 @@ from selenium.webdriver.chrome.webdriver import WebDriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from app.ui import features
 from tests.support import TEST_SECRET
 from tests.support.binaries import SKIP_ENV, require_binary
 from tests.support.cluster import Instance
@@ -309,7 +308,6 @@ async def test_requeue_a_dead_email(
     assert await db.fetchval(status, email_id) == "pending"
 
 
-@pytest.mark.skipif(not features.PAUSE, reason="pause/resume is not in this version yet")
 def test_pause_and_resume(
     ui: WebDriver, start_instance: Callable[..., Instance], tmp_path: Path
 ) -> None:

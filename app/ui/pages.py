@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from app import ops, outbox
+from app import pause as pause_state
 from app.api import RequestTooLarge, read_body
 from app.db import Conn, Database
 from app.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
@@ -29,7 +30,7 @@ from app.jobs import MAX_KEY_LENGTH, Registry, parse_params
 from app.outcome import answer
 from app.runner import Runner
 from app.settings import Settings
-from app.ui import features, session, timeline, words
+from app.ui import session, timeline, words
 from app.ui.session import Session
 
 log = logging.getLogger("cronlock.ui")
@@ -93,7 +94,6 @@ def page(request: Request, name: str, status: int = 200, **context: Any) -> HTML
         root=_root(request),
         refresh=settings.ui_refresh_interval,
         instance=settings.instance_name,
-        pause=features.PAUSE,
         notice=notice,
         mask=found is None or not found.can_act,
         **context,
@@ -230,8 +230,8 @@ async def _jobs_view(conn: Conn, registry: Registry, settings: Settings) -> dict
         {
             "view": j,
             "job": registry[j.name],
-            "failing": features.failing(j),
-            "paused": features.paused(j),
+            "failing": j.retry,
+            "paused": j.paused,
         }
         for j in view.jobs
     ]
@@ -389,14 +389,19 @@ async def pause(request: Request, name: str) -> Response:
         db, registry, settings = _state(request)
         current, fields = await acting(request)
         job = registry.get(name)
-        if job is None or not features.PAUSE:
-            raise Refused(404, "Pausing jobs is not available in this version.")
+        if job is None:
+            raise Refused(404, "No such job.")
         note = fields.get("note", "").strip()[:500] or None
         until = _until(fields.get("until"))
         async with db.connection() as conn, ops.reading(conn):
             try:
-                await features.pause(
-                    conn, settings, job, by=f"ui ({current.kind})", note=note, until=until
+                await pause_state.pause(
+                    conn,
+                    settings.db_schema,
+                    name,
+                    by=f"ui ({current.kind})",
+                    note=note,
+                    until=until,
                 )
             except InvalidTrigger as exc:
                 raise Refused(422, f"Not paused: {_problems(exc.args[0])}") from None
@@ -412,10 +417,10 @@ async def resume(request: Request, name: str) -> Response:
         db, registry, settings = _state(request)
         current, _ = await acting(request)
         job = registry.get(name)
-        if job is None or not features.PAUSE:
-            raise Refused(404, "Resuming jobs is not available in this version.")
+        if job is None:
+            raise Refused(404, "No such job.")
         async with db.connection() as conn, ops.reading(conn):
-            await features.resume(conn, settings, job)
+            await pause_state.resume(conn, settings.db_schema, name)
             await session.record(conn, settings, current, "resume", name)
         return back(request, f"/jobs/{name}", "resumed")
 
