@@ -142,3 +142,35 @@ async def test_the_same_retry_is_made_once(
         assert sorted(r.attempt for r in rows) == [1, 2]
     finally:
         await database.close()
+
+
+def test_the_retry_delay_doubles_and_no_retry_starts_past_max_lateness() -> None:
+    """docs/triggering.md: the delay doubles after each failed attempt; a retry that would
+    start later than `max_lateness` after its slot is not made; past `retries`, none."""
+    from dataclasses import replace
+    from datetime import UTC, datetime, timedelta
+
+    from app import retries
+    from app.jobs import Job
+    from app.ledger import Run
+
+    async def nothing(ctx: Any) -> None:
+        return None
+
+    job = Job("flaky", nothing, retries=3, retry_delay=10.0, max_lateness=100.0)
+    assert [retries.delay(job, n) for n in (1, 2, 3)] == [10.0, 20.0, 40.0]
+    slot = datetime(2026, 12, 3, 7, 0, tzinfo=UTC)
+    failed = Run(
+        id=1, job="flaky", key=None, slot=slot, status="failed", trigger="scheduled",
+        source="http", instance="i1", backend_pid=None, started_at=slot,
+        finished_at=slot + timedelta(seconds=5), duration_ms=5000.0, params=None, result=None,
+        error="x",
+    )  # fmt: skip
+    first = retries.verdict(job, failed, now=slot + timedelta(seconds=6))
+    assert (first.why, first.at) == ("waiting", slot + timedelta(seconds=15))
+    due = retries.verdict(job, failed, now=slot + timedelta(seconds=15))
+    assert due.why == "due"
+    third = replace(failed, attempt=3, finished_at=slot + timedelta(seconds=70))
+    assert retries.verdict(job, third, now=slot + timedelta(seconds=70)).why == "too late"
+    exhausted = replace(failed, attempt=4)
+    assert retries.verdict(job, exhausted, now=slot).why == "exhausted"
