@@ -101,6 +101,9 @@ def test_a_keyed_job_cannot_catch_up() -> None:
     """A catch-up run has no trigger, so no key to run for."""
     with pytest.raises(JobDefinitionError, match="cannot catch_up"):
         job("bad-key", schedule="0 * * * *", catch_up=True, key="customer_id", params=Params)
+    for policy in ("latest", "all"):
+        with pytest.raises(JobDefinitionError, match="cannot catch_up"):
+            job("bad-key", schedule="0 * * * *", missed=policy, key="customer_id", params=Params)
 
 
 @pytest.mark.parametrize("key", ["ratio", "flag", "maybe", "when"])
