@@ -17,6 +17,7 @@ import pytest
 
 from app.alerts import sign, verify, webhook_key
 from app.settings import SettingsError
+from tests.lease_jobs import LEASE_SETTINGS, create_effects
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
 from tests.support.receiver import Receiver
@@ -185,3 +186,60 @@ async def test_receiver_down_then_up_and_a_sender_killed_mid_send(
     assert {r["job"] for r in dead} <= {"tick", "tick-latest", "heartbeat"}
     pings = Counter(r.path for r in receiver.requests() if r.path.startswith("/ping/always"))
     assert pings["/ping/always-fails/fail"] >= 3
+
+
+async def test_timed_out_and_lease_lost_are_raised_once_each(
+    start_app: StartApp, client: Any, receiver: Receiver, db: asyncpg.Connection
+) -> None:
+    """The two events the test above does not reach: a run ended by its timeout, and a lease
+    attempt closed by its takeover (its holder alive and unaware, the lease run out under it,
+    as after a long pause)."""
+    await create_effects(db)
+    settings = alert_settings(receiver) | LEASE_SETTINGS
+    settings |= {"cron_jobs": "tests.jobs,tests.lease_jobs", "lease_poll_interval": 600}
+    a = await start_app("a", **settings)
+    b = await start_app("b", **settings)
+    timed_out = await post(client, a.url + "/cron/times-out", json={"seconds": 5})
+    assert timed_out.status_code == 504, timed_out.text
+
+    r = await post(client, a.url + "/cron/lease-items", json={"n": 12, "batch": 2, "pause": 0.3})
+    first = r.json()["run_id"]
+
+    async def a_step_done() -> bool:
+        return bool(await db.fetchval("SELECT count(*) FROM lease_effects") >= 2)
+
+    await wait_for(a_step_done, 10, "a first step")
+    await db.execute(
+        "UPDATE cronlock.runs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
+        first,
+    )
+    for _ in range(40):  # "already running" while the old holder has the row for a moment
+        taken = await post(client, b.url + "/cron/lease-items", json={"n": 1})
+        if taken.status_code == 202:
+            break
+        await asyncio.sleep(0.05)
+    assert taken.status_code == 202, taken.text
+
+    def both_in(r: Receiver) -> bool:
+        found = events(r)
+        return found["cronlock.timed_out"] >= 1 and found["cronlock.lease_lost"] >= 1
+
+    await asyncio.to_thread(receiver.wait, both_in, 20, "timed_out and lease_lost")
+    await asyncio.sleep(1.0)  # a second look by both instances raises nothing new
+    found = events(receiver)
+    assert (found["cronlock.timed_out"], found["cronlock.lease_lost"]) == (1, 1)
+    data = {
+        json.loads(r.body)["type"]: json.loads(r.body)["data"]
+        for r in receiver.requests()
+        if r.path == "/hook"
+    }
+    assert (data["cronlock.timed_out"]["job"], data["cronlock.timed_out"]["outcome"]) == (
+        "times-out",
+        "timed_out",
+    )
+    lost = data["cronlock.lease_lost"]
+    assert (lost["job"], lost["run_id"], lost["outcome"]) == ("lease-items", first, "abandoned")
+    assert f"taken over by run {taken.json()['run_id']}" in lost["error"]
+    for r in receiver.requests():
+        if r.path == "/hook":
+            assert verify(SECRET, r.headers, r.body), r.headers

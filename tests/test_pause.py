@@ -128,18 +128,37 @@ async def test_pause_needs_the_secret_and_a_known_job(start_app: StartApp, clien
 
 @pytest.mark.usefixtures("cli_env")
 async def test_cli_pause_and_resume(
-    capsys: pytest.CaptureFixture[str], db: asyncpg.Connection
+    capsys: pytest.CaptureFixture[str], db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     result = await run_cli(capsys, "pause", "yearly", "--note", "incident 42", "--json")
     assert result.code == 0, result.err
     assert result.json()["paused"]["note"] == "incident 42"
     assert "@" in result.json()["paused"]["by"]  # user@host
+    started = result.json()["paused"]["at"]
     jobs = await run_cli(capsys, "jobs")
     assert "PAUSED" in next(line for line in jobs.out.splitlines() if line.startswith("yearly"))
     past = await run_cli(capsys, "pause", "yearly", "--until", "2001-01-01T00:00:00Z")
     assert past.code == 2
     assert "future" in past.err
     assert (await run_cli(capsys, "pause", "no-such-job")).code == 2
+    # Paused again while paused: who and the note are replaced, the start is kept (the
+    # dashboard and paused_too_long count from it). CRONLOCK_OPERATOR names the operator.
+    monkeypatch.setenv("CRONLOCK_OPERATOR", "alice (on call)")
+    again = await run_cli(capsys, "pause", "yearly", "--note", "still 42", "--json")
+    assert again.code == 0, again.err
+    assert again.json()["paused"] == {
+        "by": "alice (on call)",
+        "at": started,
+        "note": "still 42",
+        "until": None,
+    }
+    # An expired pause is not kept: pausing again starts a new one.
+    await db.execute(
+        "UPDATE cronlock.pauses SET until = now() - interval '1 second', "
+        "paused_at = now() - interval '1 hour' WHERE job = 'yearly'"
+    )
+    anew = await run_cli(capsys, "pause", "yearly", "--json")
+    assert anew.json()["paused"]["at"] > started
     result = await run_cli(capsys, "resume", "yearly")
     assert (result.code, result.out.strip()) == (0, "yearly: resumed")
     result = await run_cli(capsys, "resume", "yearly")

@@ -15,6 +15,7 @@ import pytest
 
 from app.db import Database
 from app.jobs import load
+from app.metrics import Metrics
 from app.runner import Runner
 from app.scheduler import Clock, jitter_bound
 from app.settings import Settings
@@ -57,12 +58,13 @@ async def test_clock_offset_is_measured_and_corrected(
     make_settings: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An instance whose clock runs 30 s fast still reads the database's time: ticks are
-    computed from it, not from the local clock."""
+    computed from it, not from the local clock; the offset is exported as a metric."""
     settings = make_settings(cron_jobs="tests.own_jobs")
     db = Database(settings)
     await db.open()
     try:
-        runner = Runner(settings, load(settings.job_modules), db)
+        metrics = Metrics(["tick"])
+        runner = Runner(settings, load(settings.job_modules), db, metrics=metrics)
         clock = Clock()
         await clock.measure(runner)
         assert clock.round_trip is not None
@@ -71,6 +73,8 @@ async def test_clock_offset_is_measured_and_corrected(
         monkeypatch.setattr("app.scheduler.time.time", lambda: real() + 30.0)
         await clock.measure(runner)
         assert abs(clock.offset + 30.0) < 0.5
+        exported = metrics.registry.get_sample_value("cronlock_scheduler_clock_offset_seconds")
+        assert exported == clock.offset
         async with db.connection() as conn:
             db_now = await conn.fetchval("SELECT clock_timestamp()")
         assert abs((clock.now() - db_now).total_seconds()) < 0.5
@@ -93,12 +97,15 @@ def test_jitter_is_at_most_a_quarter_of_the_interval(
 # --- missed-slot policies (app/catchup.py) ----------------------------------------------------
 
 
+@pytest.mark.parametrize("paused_first", [False, True])
 async def test_missed_policies_all_and_latest(
-    make_settings: Callable[..., Settings], db: asyncpg.Connection
+    make_settings: Callable[..., Settings], db: asyncpg.Connection, paused_first: bool
 ) -> None:
     """Slots after the job's last run nobody triggered (every instance down): `all` runs each,
-    oldest first, as backfills; `latest` (what catch_up=True is) only the due slot."""
-    from app import catchup
+    oldest first, as backfills; `latest` (what catch_up=True is) only the due slot. A paused
+    job is skipped (one look per job and pass, nothing written); after its resume the policy
+    decides about the slots the pause skipped."""
+    from app import catchup, pause
 
     settings = make_settings(cron_jobs="tests.own_jobs")
     database = Database(settings)
@@ -115,6 +122,17 @@ async def test_missed_policies_all_and_latest(
                 job,
                 last,
             )
+        if paused_first:
+            for job in ("tick", "tick-latest"):
+                await pause.pause(db, "cronlock", job, by="test")
+            skipped = await catchup.catch_up(runner)
+            assert sorted((o.job, o.kind, o.reason) for o in skipped) == [
+                ("tick", "skipped", "paused"),
+                ("tick-latest", "skipped", "paused"),
+            ]
+            assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 2
+            for job in ("tick", "tick-latest"):
+                assert await pause.resume(db, "cronlock", job)
         outcomes = await catchup.catch_up(runner)
     finally:
         await database.close()
