@@ -202,8 +202,10 @@ async def test_timed_out_and_lease_lost_are_raised_once_each(
     timed_out = await post(client, a.url + "/cron/times-out", json={"seconds": 5})
     assert timed_out.status_code == 504, timed_out.text
 
-    r = await post(client, a.url + "/cron/lease-items", json={"n": 12, "batch": 2, "pause": 0.3})
-    first = r.json()["run_id"]
+    started = await post(
+        client, a.url + "/cron/lease-items", json={"n": 12, "batch": 2, "pause": 0.3}
+    )
+    first = started.json()["run_id"]
 
     async def a_step_done() -> bool:
         return bool(await db.fetchval("SELECT count(*) FROM lease_effects") >= 2)
