@@ -686,10 +686,13 @@ async def test_token_bucket_never_grants_more_than_the_rate(database_url: str) -
     rate = 50.0
     conns = [await asyncpg.connect(database_url) for _ in range(8)]
     try:
+        # Started before the reset: the bucket refills from the reset's clock_timestamp(), so
+        # this clock must not start later than that one (under load, the reset's answer can
+        # take tens of milliseconds to come back: a bound from then on was too tight).
+        started = time.monotonic()
         await conns[0].execute(
             "UPDATE cronlock.email_outbox_rate SET tokens = 0, updated_at = clock_timestamp()"
         )
-        started = time.monotonic()
 
         async def take(conn: asyncpg.Connection) -> int:
             got = 0
