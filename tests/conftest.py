@@ -54,6 +54,27 @@ INSTANCES_KEY = pytest.StashKey[list[Instance | InProcess]]()
 READY_TIMEOUT = 30.0
 
 
+# The modules that take longest, longest first (seconds of one CI run; the fast tier's share
+# where it has one): with --no-loadscope-reorder (scripts/test) xdist hands out modules in
+# collection order, so starting these first keeps one worker from running a long module
+# alone at the end. Only the order depends on this list. test_lease.py is the fast tier's
+# longest by far.
+LONGEST_FIRST = (
+    "test_lease.py",  # 33, 25 of them fast
+    "test_failover_patroni.py",  # 73 s
+    "test_lease_faults.py",  # 63
+    "test_soak.py",  # 63
+    "test_outbox.py",  # 61, 10 of them fast
+    "test_hostile.py",  # 53
+    "test_cluster_faults.py",  # 47
+    "test_batch.py",  # 45
+    "test_mailer.py",  # 43, 9 fast
+    "test_keyed.py",  # 43
+    "test_on_its_own.py",  # 36
+    "test_cli.py",  # 35, 9 fast
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # `-m "not cluster and not slow"` (./scripts/test --fast) then deselects every test that
     # needs PgBouncer or nginx, or starts app processes.
@@ -63,6 +84,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cluster)
         if any(name in names for name in PROCESS_FIXTURES):
             item.add_marker(pytest.mark.slow)
+    rank = {name: n for n, name in enumerate(LONGEST_FIRST)}
+    # A stable sort: each module's tests stay together and in their order.
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.hookimpl(wrapper=True)

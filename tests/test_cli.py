@@ -455,7 +455,8 @@ async def test_terminate_stays(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     i = await start_app("svc")
-    pending = asyncio.create_task(post(client, i.url + "/cron/slow", json={"seconds": 4}))
+    # 2.5 s: the job is still sleeping when the CLI terminates its backend, a second in.
+    pending = asyncio.create_task(post(client, i.url + "/cron/slow", json={"seconds": 2.5}))
     await wait_for(lambda: lock_held(db, "slow"), 10, "slow to take its lock")
     await asyncio.sleep(0.3)
     ended = await run_cli(capsys, "cancel", "slow", "--terminate", "--json")

@@ -196,7 +196,7 @@ async def test_a_trigger_takes_an_expired_run_over_and_the_old_holder_is_fenced_
     a = await start(start_app, "a", lease_poll_interval=600)
     b = await start(start_app, "b", lease_poll_interval=600)
     r = await client.post(
-        f"{a.url}/cron/lease-items", headers=AUTH, json={"n": 40, "batch": 2, "pause": 0.3}
+        f"{a.url}/cron/lease-items", headers=AUTH, json={"n": 16, "batch": 2, "pause": 0.3}
     )
     first = r.json()["run_id"]
 
@@ -220,10 +220,10 @@ async def test_a_trigger_takes_an_expired_run_over_and_the_old_holder_is_fenced_
     second = taken.json()["run_id"]
     assert second != first
     done = await settled(client, b, second)
-    # The takeover kept the run's own params (n=40), not the trigger's.
+    # The takeover kept the run's own params (n=16), not the trigger's.
     assert (done["status"], done["result"], done["attempt"], done["retry_of"]) == (
         "succeeded",
-        40,
+        16,
         2,
         first,
     )
@@ -237,7 +237,7 @@ async def test_a_trigger_takes_an_expired_run_over_and_the_old_holder_is_fenced_
         return "stopped: lease lost" in a.log()
 
     await wait_for(noticed, 10, "the old holder to notice")
-    assert await items(effects_table, "lease-items") == 40
+    assert await items(effects_table, "lease-items") == 16
     assert await duplicates(effects_table, "lease-items") == []
 
 
@@ -611,10 +611,10 @@ async def test_steps_longer_than_a_third_of_the_lease_are_not_stopped(
     r = await client.post(
         f"{a.url}/cron/lease-items",
         headers=AUTH,
-        json={"n": 5, "batch": 1, "pause": 0, "hold": 0.9},
+        json={"n": 3, "batch": 1, "pause": 0, "hold": 0.9},
     )
     done = await settled(client, a, r.json()["run_id"])
-    assert (done["status"], done["attempt"], done["steps"]) == ("succeeded", 1, 5)
+    assert (done["status"], done["attempt"], done["steps"]) == ("succeeded", 1, 3)
     assert await effects_table.fetchval("SELECT count(*) FROM cronlock.runs") == 1
 
 

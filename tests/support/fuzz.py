@@ -11,14 +11,15 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import schemathesis
-from schemathesis.engine import events, from_schema
 
 from tests.support import TEST_SECRET
 from tests.support.faults import LEAKS
+
+if TYPE_CHECKING:
+    from schemathesis.engine import events
 
 # Jobs of tests/jobs.py the fuzzer may trigger: quick, and succeeding. The others fail or time
 # out on purpose (500 or 504 is their documented answer), or hold a run up for seconds.
@@ -84,6 +85,12 @@ def run(
 ) -> Report:
     """All phases against `base_url` (authenticated with `headers`), every answer judged;
     `unexpected_methods` are the methods the coverage phase expects a 405 (with Allow) for."""
+    # Imported here, not at the top: schemathesis and hypothesis take seconds to import, and
+    # every pytest worker imports this module while collecting (pyproject.toml: its plugins
+    # are not loaded either).
+    import schemathesis
+    from schemathesis.engine import from_schema
+
     headers = headers if headers is not None else {"Authorization": f"Bearer {TEST_SECRET}"}
     doc = document(base_url, headers, jobs)
     config = schemathesis.Config.from_dict(
@@ -137,6 +144,8 @@ def run(
 
 
 def _record(report: Report, event: events.EngineEvent, leaks: tuple[str, ...]) -> None:
+    from schemathesis.engine import events
+
     if isinstance(event, events.PhaseStarted):
         phase = event.phase
         report.phases[phase.name.value] = (
