@@ -135,7 +135,16 @@ def click(driver: WebDriver, css: str) -> None:
 
 
 def text(driver: WebDriver) -> str:
-    return str(driver.find_element(By.TAG_NAME, "body").text)
+    try:
+        return str(driver.find_element(By.TAG_NAME, "body").text)
+    except StaleElementReferenceException:
+        raise
+    except WebDriverException as exc:
+        # chromedriver's words for a body a navigation replaced between the find and the read
+        # (seen after a login's redirect): stale, as `wait` expects, not an error.
+        if "does not belong to the document" in str(exc):
+            raise StaleElementReferenceException(str(exc)) from exc
+        raise
 
 
 def audit(driver: WebDriver, name: str) -> None:
