@@ -41,7 +41,9 @@ async def in_process(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.fixture
-async def client(make_settings: Callable[..., Settings]) -> AsyncIterator[httpx.AsyncClient]:
+async def api(make_settings: Callable[..., Settings]) -> AsyncIterator[httpx.AsyncClient]:
+    """The app of this module's tests, in this process, every request with the secret (the
+    shared `client` sends none of its own)."""
     async with in_process(create_app(make_settings())) as c:
         yield c
 
@@ -61,83 +63,83 @@ def assert_invalid(r: httpx.Response, loc: list[Any]) -> None:
 
 
 async def test_a_run_id_beyond_bigint_is_422_not_database_unavailable(
-    client: httpx.AsyncClient,
+    api: httpx.AsyncClient,
 ) -> None:
-    r = await client.get("/cron/runs", params={"before": str(2**63 + 1)})
+    r = await api.get("/cron/runs", params={"before": str(2**63 + 1)})
     assert_invalid(r, ["query", "before"])
     assert "9223372036854775807" in r.json()["detail"][0]["msg"]
     # The largest bigint is a cursor like any other.
-    r = await client.get("/cron/runs", params={"before": str(BIGINT_MAX)})
+    r = await api.get("/cron/runs", params={"before": str(BIGINT_MAX)})
     assert r.status_code == 200, r.text
     for run_id in (2**63, 10**30, 0, -1):
-        assert_invalid(await client.get(f"/cron/runs/{run_id}"), ["path", "run_id"])
-    assert (await client.get(f"/cron/runs/{BIGINT_MAX}")).status_code == 404
+        assert_invalid(await api.get(f"/cron/runs/{run_id}"), ["path", "run_id"])
+    assert (await api.get(f"/cron/runs/{BIGINT_MAX}")).status_code == 404
 
 
-async def test_a_nul_in_a_job_filter_is_422(client: httpx.AsyncClient) -> None:
-    r = await client.get("/cron/runs?job=%00")
+async def test_a_nul_in_a_job_filter_is_422(api: httpx.AsyncClient) -> None:
+    r = await api.get("/cron/runs?job=%00")
     assert_invalid(r, ["query", "job"])
     for bad in ("fast%00", "%ED%A0%80", "a" * 101, "fast;drop", "%00" * 5000):
-        assert_invalid(await client.get(f"/cron/runs?job={bad}"), ["query", "job"])
-    assert (await client.get("/cron/runs?job=fast")).json() == {"runs": [], "next": None}
+        assert_invalid(await api.get(f"/cron/runs?job={bad}"), ["query", "job"])
+    assert (await api.get("/cron/runs?job=fast")).json() == {"runs": [], "next": None}
 
 
 # --- the other inputs of the routes ---------------------------------------------------------
 
 
 async def test_trigger_values_the_database_cannot_store_are_422_and_run_nothing(
-    client: httpx.AsyncClient, db: asyncpg.Connection
+    api: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
     # A string the ledger stores as jsonb: NUL (which a JSON string carries as \u0000) and a
     # lone surrogate are no text PostgreSQL stores.
     for text in ("a\u0000b", "\ud800"):
         body = json.dumps({"text": text}).encode()
-        r = await client.post("/cron/note", content=body)
+        r = await api.post("/cron/note", content=body)
         assert_invalid(r, ["text"])
     # `null` is no object (found by bench/fuzz.py: it was read as "no body").
-    r = await client.post("/cron/note", content=b"null")
+    r = await api.post("/cron/note", content=b"null")
     assert_invalid(r, [])
     # Deeper than Python's JSON reader goes, and well within MAX_BODY_BYTES.
-    r = await client.post("/cron/note", content=b"[" * 5000)
+    r = await api.post("/cron/note", content=b"[" * 5000)
     assert r.status_code == 422, r.text
     assert r.json() == {
         "error": "invalid trigger",
         "detail": "body is not valid JSON: nested too deeply",
     }
     # A slot whose instant in UTC is past year 9999.
-    r = await client.post("/cron/yearly", params={"slot": "9999-12-31T23:59:00-01:00"})
+    r = await api.post("/cron/yearly", params={"slot": "9999-12-31T23:59:00-01:00"})
     assert_invalid(r, ["slot"])
     assert await runs(db, "note") == []
     assert await runs(db, "yearly") == []
-    r = await client.post("/cron/note", json={"text": "plain"})
+    r = await api.post("/cron/note", json={"text": "plain"})
     assert r.status_code == 200, r.text
     assert r.json()["processed"] == {"text": "plain"}
 
 
-async def test_a_content_length_that_is_not_a_number_is_no_500(client: httpx.AsyncClient) -> None:
+async def test_a_content_length_that_is_not_a_number_is_no_500(api: httpx.AsyncClient) -> None:
     # "²" is a digit to str.isdigit(), not to int(); 5000 digits are more than int() reads.
     for declared in ("\u00b2", "9" * 5000, "0" * 5000 + "1"):
-        request = client.build_request("POST", "/cron/fast", content=b"")
+        request = api.build_request("POST", "/cron/fast", content=b"")
         request.headers["content-length"] = declared.encode("latin-1").decode("latin-1")
-        r = await client.send(request)
+        r = await api.send(request)
         assert r.status_code < 500, (declared[:10], r.text)
-    request = client.build_request("POST", "/cron/fast", content=b"")
+    request = api.build_request("POST", "/cron/fast", content=b"")
     request.headers["content-length"] = "9" * 5000
-    assert (await client.send(request)).status_code == 413
+    assert (await api.send(request)).status_code == 413
 
 
-async def test_another_method_on_an_operations_route_is_405(client: httpx.AsyncClient) -> None:
+async def test_another_method_on_an_operations_route_is_405(api: httpx.AsyncClient) -> None:
     for path in ("/cron/jobs", "/cron/runs", "/cron/locks", "/cron/runs/7"):
-        r = await client.put(path)
+        r = await api.put(path)
         assert r.status_code == 405, (path, r.text)
         assert r.headers["allow"] == "GET, HEAD"
-    assert (await client.put("/cron/runs/x")).status_code == 404
+    assert (await api.put("/cron/runs/x")).status_code == 404
 
 
 async def test_the_document_links_an_accepted_trigger_to_its_run(
-    client: httpx.AsyncClient,
+    api: httpx.AsyncClient,
 ) -> None:
-    doc = (await client.get("/openapi.json")).json()
+    doc = (await api.get("/openapi.json")).json()
     accepted = doc["paths"]["/cron/fast"]["post"]["responses"]["202"]
     assert accepted["links"]["GetRun"] == {
         "operationId": "get_run",
@@ -149,9 +151,9 @@ async def test_the_document_links_an_accepted_trigger_to_its_run(
         p for p in doc["paths"]["/cron/runs"]["get"]["parameters"] if p["name"] == "before"
     )
     assert before["schema"]["anyOf"][0]["maximum"] == BIGINT_MAX
-    r = await client.post("/cron/fast", params={"wait": "false"})
+    r = await api.post("/cron/fast", params={"wait": "false"})
     assert r.status_code == 202, r.text
-    run = await client.get(f"/cron/runs/{r.json()['run_id']}")
+    run = await api.get(f"/cron/runs/{r.json()['run_id']}")
     assert run.status_code == 200, run.text
 
 
@@ -195,9 +197,9 @@ async def test_a_route_whose_statement_is_refused_answers_422(
             value = await conn.fetchval("SELECT $1::bigint", n)
         return JSONResponse({"n": value})
 
-    async with in_process(app) as client:
-        assert (await client.get("/unvalidated", params={"n": 5})).json() == {"n": 5}
-        r = await client.get("/unvalidated", params={"n": 2**63})
+    async with in_process(app) as api:
+        assert (await api.get("/unvalidated", params={"n": 5})).json() == {"n": 5}
+        r = await api.get("/unvalidated", params={"n": 2**63})
     assert r.status_code == 422, r.text
     assert r.json() == {
         "error": "invalid request",
@@ -214,11 +216,11 @@ async def test_a_route_whose_statement_is_refused_answers_422(
 
 
 async def test_a_jobs_own_data_exception_stays_a_failed_run(
-    client: httpx.AsyncClient, db: asyncpg.Connection
+    api: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
     """sql-fails divides by zero (SQLSTATE 22012) in its own statement: the job failed (500,
-    its run id), not the client's input."""
-    r = await client.post("/cron/sql-fails")
+    its run id), not the api's input."""
+    r = await api.post("/cron/sql-fails")
     assert r.status_code == 500, r.text
     assert r.json() == {"error": "job failed", "job": "sql-fails", "run_id": r.json()["run_id"]}
     (row,) = await runs(db, "sql-fails")

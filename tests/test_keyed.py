@@ -11,7 +11,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-import httpx
 import pytest
 from pydantic import BaseModel
 
@@ -22,15 +21,6 @@ from app.lock import job_lock, lock_key
 from tests.util import AUTH, lock_free, post, wait_for
 
 Starter = Callable[..., Any]
-
-
-@pytest.fixture
-async def client() -> Any:
-    """Room for 200 requests at once; idle connections expire before uvicorn's 5 s keep-alive
-    (see tests/conftest.py's `dispatch`)."""
-    limits = httpx.Limits(max_connections=250, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as c:
-        yield c
 
 
 @pytest.fixture
