@@ -205,6 +205,7 @@ async def test_timed_out_and_lease_lost_are_raised_once_each(
     started = await post(
         client, a.url + "/cron/lease-items", json={"n": 12, "batch": 2, "pause": 0.3}
     )
+    assert started.status_code == 202, started.text
     first = started.json()["run_id"]
 
     async def a_step_done() -> bool:
@@ -219,6 +220,7 @@ async def test_timed_out_and_lease_lost_are_raised_once_each(
         taken = await post(client, b.url + "/cron/lease-items", json={"n": 1})
         if taken.status_code == 202:
             break
+        assert taken.json()["reason"] == "already running", taken.text
         await asyncio.sleep(0.05)
     assert taken.status_code == 202, taken.text
 
@@ -230,6 +232,16 @@ async def test_timed_out_and_lease_lost_are_raised_once_each(
     await asyncio.sleep(1.0)  # a second look by both instances raises nothing new
     found = events(receiver)
     assert (found["cronlock.timed_out"], found["cronlock.lease_lost"]) == (1, 1)
+    # Once each in the queue too, whatever either instance looks at later (its id is the
+    # event and the run).
+    queued = await db.fetch(
+        "SELECT msg_id FROM cronlock.alerts WHERE event IN ('timed_out', 'lease_lost')"
+    )
+    timed_out_id = timed_out.json()["run_id"]
+    assert sorted(r["msg_id"] for r in queued) == [
+        f"lease_lost:{first}",
+        f"timed_out:{timed_out_id}",
+    ]
     data = {
         json.loads(r.body)["type"]: json.loads(r.body)["data"]
         for r in receiver.requests()

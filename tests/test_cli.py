@@ -455,8 +455,9 @@ async def test_terminate_stays(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     i = await start_app("svc")
-    # 2.5 s: the job is still sleeping when the CLI terminates its backend, a second in.
-    pending = asyncio.create_task(post(client, i.url + "/cron/slow", json={"seconds": 2.5}))
+    # 3 s: the job still sleeps when the CLI terminates its backend (0.3 s after the lock is
+    # seen, plus the CLI's own start), with room for a loaded machine.
+    pending = asyncio.create_task(post(client, i.url + "/cron/slow", json={"seconds": 3}))
     await wait_for(lambda: lock_held(db, "slow"), 10, "slow to take its lock")
     await asyncio.sleep(0.3)
     ended = await run_cli(capsys, "cancel", "slow", "--terminate", "--json")

@@ -219,7 +219,7 @@ async def test_a_jobs_own_data_exception_stays_a_failed_run(
     api: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
     """sql-fails divides by zero (SQLSTATE 22012) in its own statement: the job failed (500,
-    its run id), not the api's input."""
+    its run id), not the client's input."""
     r = await api.post("/cron/sql-fails")
     assert r.status_code == 500, r.text
     assert r.json() == {"error": "job failed", "job": "sql-fails", "run_id": r.json()["run_id"]}

@@ -130,8 +130,8 @@ async def test_the_same_retry_is_made_once(
         assert (await runner.trigger(job)).kind == "failed"
         now = await db.fetchval("SELECT now() + interval '1 minute'")  # past the delay
         async with database.connection() as conn:
-            # A window of two hours: the hourly job's slot began up to an hour before now (one
-            # of an hour failed this test in the last minute of every hour).
+            # A window of two hours: the hourly job's slot began up to an hour before now (a
+            # one-hour window failed this test in the last minute of every hour).
             found = await retries.pending(conn, runner.registry, now, 7200)
         failed = found["always-fails"][0].failed
         first = await retries.run(runner, job, failed)

@@ -138,7 +138,7 @@ def text(driver: WebDriver) -> str:
     try:
         return str(driver.find_element(By.TAG_NAME, "body").text)
     except StaleElementReferenceException:
-        raise
+        raise  # a WebDriverException too: already what `wait` retries
     except WebDriverException as exc:
         # chromedriver's words for a body a navigation replaced between the find and the read
         # (seen after a login's redirect): stale, as `wait` expects, not an error.
