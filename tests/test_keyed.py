@@ -305,6 +305,33 @@ async def test_the_same_key_twice_at_once_runs_once_other_keys_go_on(
     assert overlapping(runs)
 
 
+async def test_two_keys_whose_lock_keys_collide_take_turns_and_each_runs(
+    start_app: Starter, client: Any, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What app/lock.py `job_lock` says of a 64-bit collision, made on purpose: keys 7 and 8
+    get one lock text, so one key on the server. 8 answers "already running" while 7 runs
+    (never both at once), then runs in its turn; each key's run is its own, once."""
+    from app import runner as runner_module
+
+    def colliding(schema: str, job: str, key: str | None = None) -> str:
+        return job_lock(schema, job, "7" if key in ("7", "8") else key)
+
+    monkeypatch.setattr(runner_module, "job_lock", colliding)  # the lock statement's text
+    monkeypatch.setattr(jobs_module, "job_lock", colliding)  # the probe's pg_locks look
+    a = await start_app("a")
+    first = asyncio.create_task(
+        post(client, a.url + "/cron/keyed", json={"customer_id": 7, "seconds": 1})
+    )
+    await wait_for(lambda: _running(db, "keyed", "7"), 10, "key 7's run")
+    turn = await post(client, a.url + "/cron/keyed", json={"customer_id": 8})
+    assert turn.json() == {"job": "keyed", "skipped": True, "reason": "already running", "key": "8"}
+    assert (await first).json()["processed"] == {"key": "7"}
+    mine = await post(client, a.url + "/cron/keyed", json={"customer_id": 8})
+    assert mine.json()["processed"] == {"key": "8"}, mine.text
+    runs = await keyed_runs(db, "keyed")
+    assert [(r["key"], r["status"]) for r in runs] == [("7", "succeeded"), ("8", "succeeded")]
+
+
 async def _running(db: asyncpg.Connection, job_name: str, key: str) -> bool:
     return bool(
         await db.fetchval(
