@@ -126,8 +126,8 @@ class Metrics:
         )
         self.database_up = Gauge(
             "cronlock_database_up",
-            "1 if this scrape could read the database; the deployment-wide series are stale "
-            "when it is 0.",
+            "1 if this scrape could read the database on a primary (0: down, unmigrated or a "
+            "standby); the deployment-wide series are stale when it is 0.",
             registry=r,
         )
         # Every known series starts at 0, so rate() and absence alerts work from the start.

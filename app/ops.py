@@ -59,6 +59,8 @@ RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
 # A dashboard must never hang a pooled connection on a slow catalog or ledger query.
 READ_TIMEOUT_SQL = "SELECT set_config('statement_timeout', '5000ms', true)"
 NOW_SQL = "SELECT now()"
+# /metrics: a standby answers reads, but is no database cronlock can run on.
+NOW_AND_ROLE_SQL = "SELECT now() AS now, pg_is_in_recovery() AS standby"
 
 CANCEL_SQL = "SELECT pg_cancel_backend($1)"
 TERMINATE_SQL = "SELECT pg_terminate_backend($1)"

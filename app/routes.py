@@ -18,7 +18,7 @@ from app.inputs import BIGINT_MAX, check_text
 from app.jobs import MAX_KEY_LENGTH, NAME_PATTERN
 from app.metrics import CONTENT_TYPE
 from app.ops import (
-    NOW_SQL,
+    NOW_AND_ROLE_SQL,
     JobsView,
     LocksView,
     RunsPage,
@@ -154,7 +154,14 @@ async def get_metrics(runner: RunnerDep, db: DatabaseDep, registry: RegistryDep)
         return error(404, "metrics are not enabled")
     try:
         async with db.connection() as conn, reading(conn):
-            now: datetime = await conn.fetchval(NOW_SQL)
+            clock = await conn.fetchrow(NOW_AND_ROLE_SQL)
+            assert clock is not None
+            if clock["standby"]:
+                # Its reads would succeed, but no trigger runs on it (503): down, as an alert
+                # must see it. The deployment-wide series keep their last primary's values.
+                metrics.database_up.set(0)
+                return Response(metrics.render(), media_type=CONTENT_TYPE)
+            now: datetime = clock["now"]
             succeeded = await ledger.last_succeeded_slots(conn, registry.schema, list(registry))
             paused = await pause.active(conn, registry.schema)
             overdue = {

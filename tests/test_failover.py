@@ -25,6 +25,7 @@ from app.settings import Settings
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
 from tests.support.delivery import API_KEY, until
+from tests.support.metrics import METRICS_TOKEN, scrape, value
 from tests.support.postgres import ScratchPostgres, children_of, create_database, start_standby
 from tests.support.provider import Provider
 from tests.util import AUTH
@@ -295,3 +296,30 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
     finally:
         new.stop("immediate")
         old.stop("immediate")
+
+
+@pytest.mark.slow  # a standby server of its own
+async def test_database_up_is_0_while_only_a_standby_answers_then_1_once_it_is_promoted(
+    standby: ScratchPostgres, start_app: StartApp, client: httpx.AsyncClient
+) -> None:
+    """docs/guarantees.md's alerts line: `cronlock_database_up` reads 0 on an instance while
+    it cannot reach a primary (all it reaches here is a standby, whose reads would succeed),
+    and 1 once that server is promoted; triggers answer 503 until then, and run after."""
+    app = await start_app(
+        "on-standby", database_url=standby.dsn(DBNAME), metrics_token=METRICS_TOKEN
+    )
+    refused = await trigger(client, app.url)
+    assert refused.status_code == 503, refused.text
+    assert value(await scrape(client, app.url), "cronlock_database_up") == 0
+    promoted = await asyncpg.connect(standby.dsn(DBNAME))
+    try:
+        assert await promoted.fetchval("SELECT pg_promote(wait => true)")
+    finally:
+        await promoted.close()
+
+    async def up() -> bool:
+        return value(await scrape(client, app.url), "cronlock_database_up") == 1
+
+    await until(up, 10, "database_up 1 after the promotion")
+    ran = await trigger(client, app.url)
+    assert ran.status_code == 200, ran.text

@@ -10,7 +10,6 @@ from datetime import UTC, datetime
 import asyncpg
 import httpx
 from prometheus_client import REGISTRY
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.jobs import load
 from app.main import create_app
@@ -18,27 +17,8 @@ from app.metrics import Metrics
 from app.outcome import Outcome
 from app.settings import Settings
 from tests.support.asgi import StartApp
+from tests.support.metrics import METRICS_TOKEN, scrape, value
 from tests.util import post, runs, wait_for
-
-METRICS_TOKEN = "metrics-token-0123456789-abcdefghijkl"
-SCRAPE = {"Authorization": f"Bearer {METRICS_TOKEN}"}
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-async def scrape(client: httpx.AsyncClient, url: str) -> Samples:
-    r = await client.get(url + "/metrics", headers=SCRAPE)
-    assert r.status_code == 200, r.text
-    assert r.headers["content-type"].startswith("text/plain")
-    found: Samples = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return found
-
-
-def value(samples: Samples, name: str, **labels: str) -> float | None:
-    return samples.get((name, tuple(sorted(labels.items()))))
 
 
 async def sleeping_in_sql(db: asyncpg.Connection) -> bool:

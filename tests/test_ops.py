@@ -19,14 +19,13 @@ from app.jobs import load
 from app.schedule import Schedule
 from tests.support import TEST_SECRET
 from tests.support.asgi import InProcess, StartApp
+from tests.support.metrics import METRICS_TOKEN, SCRAPE
 from tests.util import AUTH, job_key, lock_held, post, runs, wait_for
 
 Starter = Callable[..., Any]
 
 READ_TOKEN = "read-only-token-0123456789-abcdefghij"
-METRICS_TOKEN = "metrics-token-0123456789-abcdefghijkl"
 READ = {"Authorization": f"Bearer {READ_TOKEN}"}
-SCRAPE = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 TOKENS = {"CRON_READ_TOKEN": READ_TOKEN, "METRICS_TOKEN": METRICS_TOKEN}
 SETTINGS = {"cron_read_token": READ_TOKEN, "metrics_token": METRICS_TOKEN}
 DOWN_URL = "postgresql://nobody@127.0.0.1:9/none"
