@@ -132,17 +132,21 @@ WHERE id = $1 AND status = 'running'
 # The step's first statement: lock the row, check the token and the live lease, extend it.
 # An UPDATE rather than SELECT ... FOR UPDATE and then an UPDATE: one round trip, and under
 # read committed an UPDATE that waited for a takeover re-reads the row it locked, so its
-# WHERE sees the takeover's `abandoned`.
+# WHERE sees the takeover's `abandoned`. `steps` ($3, what this holder committed) checks
+# that the database still has every step of the attempt: a failover to a standby that was
+# behind (asynchronous replication) keeps the token and the lease but loses the newest
+# steps, and a holder carrying on from its own checkpoint would skip their work for good.
 RENEW_SQL = """
 UPDATE {schema}.runs
 SET lease_expires_at = now() + make_interval(secs => lease_seconds)
-WHERE id = $1 AND lease_token = $2 AND status = 'running' AND lease_expires_at > now()
+WHERE id = $1 AND lease_token = $2 AND steps = $3 AND status = 'running'
+  AND lease_expires_at > now()
 RETURNING lease_expires_at, cancel_requested_at IS NOT NULL AS cancel_requested
 """
 
 # Why a renewal found nothing: for the holder's log and its LeaseLost.
 WHY_SQL = """
-SELECT status, lease_token, lease_expires_at, now() AS db_now,
+SELECT status, lease_token, steps, lease_expires_at, now() AS db_now,
        (SELECT min(n.id) FROM {schema}.runs AS n WHERE n.retry_of = r.id) AS successor
 FROM {schema}.runs AS r WHERE id = $1
 """
@@ -160,14 +164,15 @@ UPDATE {schema}.runs SET checkpoint = $3, progress = $4, steps = steps + 1
 WHERE id = $1 AND lease_token = $2
 """
 
-# The run's end, fenced like a step. `lease_expires_at` is left as it was: the row is no
-# longer `running`, which is what "live" needs first.
+# The run's end, fenced like a step (`steps` too). `lease_expires_at` is left as it was: the
+# row is no longer `running`, which is what "live" needs first.
 SUCCEED_SQL = """
 UPDATE {schema}.runs
 SET status = 'succeeded', result = $3, checkpoint = $4, progress = $5,
     finished_at = clock_timestamp(),
     duration_ms = extract(epoch FROM clock_timestamp() - started_at) * 1000
-WHERE id = $1 AND lease_token = $2 AND status = 'running' AND lease_expires_at > now()
+WHERE id = $1 AND lease_token = $2 AND steps = $6 AND status = 'running'
+  AND lease_expires_at > now()
 RETURNING duration_ms
 """
 
@@ -179,7 +184,7 @@ UPDATE {schema}.runs
 SET status = $3, error = $4, finished_at = clock_timestamp(),
     duration_ms = extract(epoch FROM clock_timestamp() - started_at) * 1000
 WHERE id = $1 AND lease_token = $2 AND status = 'running'
-  AND (lease_expires_at > now() OR $3 = 'timed_out')
+  AND ((lease_expires_at > now() AND steps = $5) OR $3 = 'timed_out')
 RETURNING duration_ms
 """
 
@@ -444,12 +449,19 @@ class Fence:
             return f"the run is {row['status']}{successor}"
         if row["lease_token"] != self.token:
             return f"the run has a newer token ({row['lease_token']})"
+        if row["steps"] != self.steps:
+            return (
+                f"the database has {row['steps']} of the {self.steps} steps this holder "
+                "committed (lost commits: a failover to a standby that was behind?)"
+            )
         return f"the lease expired at {row['lease_expires_at'].isoformat()}"
 
     async def _renew(self, conn: Conn) -> None:
         """Extend the lease if it is still this holder's (LeaseLost if not), and stop for a
         cancel request (RunCancelled)."""
-        row = await conn.fetchrow(qualify(RENEW_SQL, self.schema), self.run_id, self.token)
+        row = await conn.fetchrow(
+            qualify(RENEW_SQL, self.schema), self.run_id, self.token, self.steps
+        )
         if row is None:
             raise self._give_up(f"lease lost: {await self._why(conn)}")
         if row["cancel_requested"]:
@@ -590,6 +602,7 @@ class Fence:
                     result,
                     checkpoint,
                     progress,
+                    self.steps,
                 )
                 if duration is None:
                     raise self._give_up(f"lease lost: {await self._why(conn)}")
@@ -605,7 +618,12 @@ class Fence:
         try:
             async with self.db.connection() as conn:
                 value = await conn.fetchval(
-                    qualify(FINISH_SQL, self.schema), self.run_id, self.token, status, error
+                    qualify(FINISH_SQL, self.schema),
+                    self.run_id,
+                    self.token,
+                    status,
+                    error,
+                    self.steps,
                 )
         except Exception as exc:
             log.warning("could not record run %s as %s: %s", self.run_id, status, describe(exc))

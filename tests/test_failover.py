@@ -22,6 +22,7 @@ from app import db as dbmod
 from app.primary import parse_timeline, split_hosts
 from app.schema import migrate, migration_sets
 from app.settings import Settings
+from tests.lease_jobs import LEASE_SETTINGS, create_effects
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
 from tests.support.delivery import API_KEY, until
@@ -323,3 +324,80 @@ async def test_database_up_is_0_while_only_a_standby_answers_then_1_once_it_is_p
     await until(up, 10, "database_up 1 after the promotion")
     ran = await trigger(client, app.url)
     assert ran.status_code == 200, ran.text
+
+
+@pytest.mark.slow  # two PostgreSQL servers of its own
+async def test_asynchronous_failover_loses_lease_steps_and_the_takeover_does_them_again_once(
+    root: Path, start_app: StartApp, client: httpx.AsyncClient
+) -> None:
+    """Asynchronous replication, the standby behind (its walreceiver frozen) while a lease
+    run commits steps on the old primary, which then dies. The promoted standby has the run
+    only up to its last replicated checkpoint: a watcher takes the run over there once the
+    lease is out and does the lost steps again, so every item is there once (docs/guarantees.md,
+    lease runs)."""
+    old = await new_primary(root / f"lossy-lease-{time.monotonic_ns()}")
+    conn = await asyncpg.connect(old.dsn(DBNAME))
+    try:
+        await create_effects(conn)  # in the base backup the standby starts from
+    finally:
+        await conn.close()
+    new = start_standby(old, root / f"lossy-lease-standby-{time.monotonic_ns()}")
+    try:
+        app = await start_app(
+            "lossy-lease",
+            database_url=multi_host(old, new),
+            db_connect_timeout=1.0,
+            cron_jobs="tests.lease_jobs",
+            **LEASE_SETTINGS,
+        )
+        started = await client.post(
+            f"{app.url}/cron/lease-items", headers=AUTH, json={"n": 30, "batch": 2, "pause": 0.3}
+        )
+        assert started.status_code == 202, started.text
+        run_id = started.json()["run_id"]
+        watch = await asyncpg.connect(old.dsn(DBNAME))
+        try:
+
+            async def committed(at_least: int) -> bool:
+                count = await watch.fetchval("SELECT count(*) FROM lease_effects")
+                return bool(count >= at_least)
+
+            await until(lambda: committed(4), 10, "two steps, replicated")
+            receiver = walreceiver(new)
+            os.kill(receiver, signal.SIGSTOP)
+            await until(lambda: committed(12), 10, "four steps more, not replicated")
+            on_old = int(await watch.fetchval("SELECT count(*) FROM lease_effects"))
+        finally:
+            await watch.close()
+        old.kill()
+        os.kill(receiver, signal.SIGKILL)  # the WAL in its socket's buffer is never read
+        new.wait_ready()
+        promoted = await connect_retrying(new.dsn(DBNAME))
+        try:
+            assert await promoted.fetchval("SELECT pg_promote(wait => true)")
+            kept = int(await promoted.fetchval("SELECT count(*) FROM lease_effects"))
+            assert kept < on_old, (kept, on_old)  # steps were lost with the old primary
+
+            async def succeeded() -> bool:
+                return bool(
+                    await promoted.fetchval(
+                        "SELECT EXISTS (SELECT 1 FROM cronlock.runs WHERE status = 'succeeded')"
+                    )
+                )
+
+            await until(succeeded, 30, "the run taken over on the new primary to succeed")
+            items = await promoted.fetch(
+                "SELECT item, count(*) AS n FROM lease_effects GROUP BY item ORDER BY item"
+            )
+            chain = await promoted.fetch(
+                "SELECT id, attempt, retry_of, status FROM cronlock.runs ORDER BY attempt"
+            )
+        finally:
+            await promoted.close()
+        assert [(r["item"], r["n"]) for r in items] == [(i, 1) for i in range(1, 31)]
+        assert [(r["attempt"], r["status"]) for r in chain] == [(1, "abandoned"), (2, "succeeded")]
+        assert chain[0]["id"] == run_id
+        assert chain[1]["retry_of"] == run_id
+    finally:
+        new.stop("immediate")
+        old.stop("immediate")

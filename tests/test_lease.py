@@ -241,6 +241,54 @@ async def test_a_trigger_takes_an_expired_run_over_and_the_old_holder_is_fenced_
     assert await duplicates(effects_table, "lease-items") == []
 
 
+async def test_a_holder_whose_newest_steps_the_database_lost_hands_the_run_over(
+    start_app: Starter, client: httpx.AsyncClient, effects_table: asyncpg.Connection
+) -> None:
+    """What a failover to a standby that was behind does (tests/test_failover.py shows it
+    on real servers), made here in one transaction: the run's row keeps its token and its
+    lease but loses its newest steps, their items with them. The holder's next renewal finds
+    fewer steps than it committed, so it gives the run up instead of carrying on from its own
+    checkpoint; the takeover resumes from the database's, and every item is there once."""
+    a = await start(start_app)
+    r = await client.post(
+        f"{a.url}/cron/lease-items", headers=AUTH, json={"n": 16, "batch": 2, "pause": 0.3}
+    )
+    first = r.json()["run_id"]
+
+    async def some_done() -> bool:
+        return await items(effects_table, "lease-items") >= 6
+
+    await wait_for(some_done, 10, "three steps")
+    async with effects_table.transaction():
+        # The row first: its lock waits for a step in flight, and holds off the next one.
+        await effects_table.execute(
+            """UPDATE cronlock.runs SET steps = 1, checkpoint = '{"last": 2}'::jsonb
+               WHERE id = $1""",
+            first,
+        )
+        await effects_table.execute("DELETE FROM lease_effects WHERE item > 2")
+    taken = await wait_for_successor(effects_table, first)
+    done = await settled(client, a, taken)
+    assert (done["status"], done["attempt"], done["retry_of"]) == ("succeeded", 2, first)
+    old = await view(client, a, first)
+    assert old["status"] == "abandoned"
+    assert "lost commits" in a.log()
+    assert await items(effects_table, "lease-items") == 16
+    assert await duplicates(effects_table, "lease-items") == []
+
+
+async def wait_for_successor(db: asyncpg.Connection, run_id: int) -> int:
+    async def taken() -> bool:
+        return bool(
+            await db.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM cronlock.runs WHERE retry_of = $1)", run_id
+            )
+        )
+
+    await wait_for(taken, 15, f"a takeover of run {run_id}")
+    return int(await db.fetchval("SELECT id FROM cronlock.runs WHERE retry_of = $1", run_id))
+
+
 async def test_a_failed_attempt_is_resumed_by_the_next_trigger_for_its_slot(
     start_app: Starter, client: httpx.AsyncClient, effects_table: asyncpg.Connection
 ) -> None:
