@@ -21,7 +21,7 @@ from app.errors import JobDefinitionError
 from app.jobs import job, load
 from app.settings import Settings
 from tests.lease_jobs import LEASE_SETTINGS, create_effects
-from tests.util import AUTH, wait_for
+from tests.util import AUTH, successor, wait_for
 
 Starter = Callable[..., Any]
 
@@ -267,26 +267,14 @@ async def test_a_holder_whose_newest_steps_the_database_lost_hands_the_run_over(
             first,
         )
         await effects_table.execute("DELETE FROM lease_effects WHERE item > 2")
-    taken = await wait_for_successor(effects_table, first)
-    done = await settled(client, a, taken)
+    taken = await successor(effects_table, first, 15)
+    done = await settled(client, a, taken["id"])
     assert (done["status"], done["attempt"], done["retry_of"]) == ("succeeded", 2, first)
     old = await view(client, a, first)
     assert old["status"] == "abandoned"
     assert "lost commits" in a.log()
     assert await items(effects_table, "lease-items") == 16
     assert await duplicates(effects_table, "lease-items") == []
-
-
-async def wait_for_successor(db: asyncpg.Connection, run_id: int) -> int:
-    async def taken() -> bool:
-        return bool(
-            await db.fetchval(
-                "SELECT EXISTS (SELECT 1 FROM cronlock.runs WHERE retry_of = $1)", run_id
-            )
-        )
-
-    await wait_for(taken, 15, f"a takeover of run {run_id}")
-    return int(await db.fetchval("SELECT id FROM cronlock.runs WHERE retry_of = $1", run_id))
 
 
 async def test_a_failed_attempt_is_resumed_by_the_next_trigger_for_its_slot(
@@ -593,15 +581,7 @@ async def test_the_timeout_bounds_a_run_across_its_takeover(
     )
     a = await start(start_app)
 
-    async def taken_over() -> bool:
-        return bool(
-            await effects_table.fetchval(
-                "SELECT EXISTS (SELECT 1 FROM cronlock.runs WHERE retry_of = $1)", first
-            )
-        )
-
-    await wait_for(taken_over, 5, "the takeover")
-    second = await effects_table.fetchval("SELECT id FROM cronlock.runs WHERE retry_of = $1", first)
+    second = (await successor(effects_table, first, 5))["id"]
     done = await settled(client, a, second, within=10)
     assert done["status"] == "timed_out"
     # At the deadline the first attempt set (1.5 s after it), not a fresh 3 s timeout.

@@ -29,7 +29,7 @@ from tests.lease_jobs import LEASE, LEASE_ENV, create_effects
 from tests.support.cluster import Cluster, Instance
 from tests.support.faults import heal
 from tests.support.postgres import ScratchPostgres
-from tests.util import AUTH, wait_for
+from tests.util import AUTH, successor, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -198,20 +198,8 @@ async def test_a_frozen_holder_wakes_up_and_commits_nothing(
     stale.freeze()
     frozen_at = await db.fetchval("SELECT clock_timestamp()")
     try:
-
-        async def taken_over() -> bool:
-            return bool(
-                await db.fetchval(
-                    "SELECT EXISTS (SELECT 1 FROM cronlock.runs WHERE retry_of = $1)", first
-                )
-            )
-
-        await wait_for(taken_over, LEASE + 5, "another instance to take the run over")
-        successor = await db.fetchrow(
-            "SELECT id, instance, started_at FROM cronlock.runs WHERE retry_of = $1", first
-        )
-        assert successor is not None
-        assert successor["instance"] != stale.name
+        taken = await successor(db, first, LEASE + 5)
+        assert taken["instance"] != stale.name
         await asyncio.sleep(0.5)  # the new holder commits a few steps meanwhile
     finally:
         stale.thaw()
@@ -221,7 +209,7 @@ async def test_a_frozen_holder_wakes_up_and_commits_nothing(
     # older than its successor's start (a step in flight at SIGSTOP was rolled back by the
     # server's idle-in-transaction timeout, which is at most the lease).
     last_stale = await db.fetchval("SELECT max(at) FROM lease_effects WHERE run_id = $1", first)
-    assert last_stale is None or last_stale < successor["started_at"], (last_stale, frozen_at)
+    assert last_stale is None or last_stale < taken["started_at"], (last_stale, frozen_at)
 
     # It found out, and said so.
     async def said_so() -> bool:
@@ -229,11 +217,11 @@ async def test_a_frozen_holder_wakes_up_and_commits_nothing(
 
     await wait_for(said_so, 10, "the stale holder to log its lost lease")
     error = await db.fetchval("SELECT error FROM cronlock.runs WHERE id = $1", first)
-    assert f"taken over by run {successor['id']}" in error
+    assert f"taken over by run {taken['id']}" in error
     # And counted it; the instance that took over counted its takeover.
     # At least: under load a 2 s lease can also be lost (and taken over) once more later on.
     assert await counter(client, stale, LOST) >= before[stale.name][0] + 1
-    taker = next(i for i in cluster.instances if i.name == successor["instance"])
+    taker = next(i for i in cluster.instances if i.name == taken["instance"])
     assert await counter(client, taker, TAKEN) >= before[taker.name][1] + 1
 
 
@@ -247,15 +235,7 @@ async def test_sigterm_hands_the_run_over_at_once(
     assert leaving is not None
     leaving.signal(signal.SIGTERM)
     stopped = time.monotonic()
-
-    async def taken_over() -> bool:
-        return bool(
-            await db.fetchval(
-                "SELECT EXISTS (SELECT 1 FROM cronlock.runs WHERE retry_of = $1)", first
-            )
-        )
-
-    await wait_for(taken_over, LEASE + 5, "the takeover")
+    await successor(db, first, LEASE + 5)
     assert time.monotonic() - stopped < LEASE  # given up, not waited out
     leaving.wait_exit(10)
     leaving.start()

@@ -66,6 +66,23 @@ async def wait_for(
         await asyncio.sleep(interval)
 
 
+async def successor(db: asyncpg.Connection, run_id: int, within: float) -> asyncpg.Record:
+    """The attempt that took lease run `run_id` over (`retry_of`), once there is one: its
+    `id`, `instance` and `started_at`."""
+    found: asyncpg.Record | None = None
+
+    async def taken_over() -> bool:
+        nonlocal found
+        found = await db.fetchrow(
+            "SELECT id, instance, started_at FROM cronlock.runs WHERE retry_of = $1", run_id
+        )
+        return found is not None
+
+    await wait_for(taken_over, within, f"a takeover of run {run_id}")
+    assert found is not None
+    return found
+
+
 async def runs(db: asyncpg.Connection, job: str) -> list[dict[str, Any]]:
     """The job's ledger rows, oldest first, with the JSON columns decoded."""
     rows = await db.fetch("SELECT * FROM cronlock.runs WHERE job = $1 ORDER BY id", job)
