@@ -370,6 +370,26 @@ async def test_everything_rendered_is_escaped(
         assert outbox.count("&lt;script&gt;alert(") >= 2  # recipient and provider error
 
 
+async def test_a_run_whose_holder_is_gone_is_shown_abandoned(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    """A `running` row whose lock nobody holds (its instance died): the run page closes it
+    as the sweep does everywhere, and shows what that wrote."""
+    app = await ui_app(start_app)
+    run_id = await db.fetchval(
+        "INSERT INTO cronlock.runs (job, status, trigger, source, instance, started_at)"
+        " VALUES ('fast', 'running', 'manual', 'http', 'gone', now() - interval '1 minute')"
+        " RETURNING id"
+    )
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        page = (await user.http.get(f"/ui/runs/{run_id}")).text
+    assert await db.fetchval("SELECT status FROM cronlock.runs WHERE id = $1", run_id) == (
+        "abandoned"
+    )
+    assert "abandoned" in page
+
+
 async def test_a_lease_run_shows_its_holder_token_attempts_and_progress(
     start_app: StartApp, db: asyncpg.Connection
 ) -> None:

@@ -439,11 +439,18 @@ async def run_page(request: Request, run_id: str) -> Response:
         async with db.connection() as conn:
             async with ops.reading(conn):
                 view = await ops.run(conn, registry, found_id)
-            if view is not None and view.status == "running" and not view.running:
-                await ops.sweep(conn, settings, view.job)
-            async with ops.reading(conn):
-                view = await ops.run(conn, registry, found_id)
                 now = await conn.fetchval(ops.NOW_SQL)
+            # Its holder is gone: close it as abandoned, then show what that wrote (read again
+            # only then: the page refreshes itself every few seconds).
+            if (
+                view is not None
+                and view.status == "running"
+                and not view.running
+                and await ops.sweep(conn, settings, view.job)
+            ):
+                async with ops.reading(conn):
+                    view = await ops.run(conn, registry, found_id)
+                    now = await conn.fetchval(ops.NOW_SQL)
         if view is None:
             raise Refused(404, "No such run.")
         return page(request, "run.html", live=True, run=view, now=now, words=words)
