@@ -258,10 +258,11 @@ class Database:
         try:
             # Migrations are not bounded: one may rightly take long (an index on a big table).
             with deadline(conn, self.settings.db_query_timeout):
-                self.standby = bool(await conn.fetchval("SELECT pg_is_in_recovery()"))
-                # A connection opened to a standby that was promoted since learns its timeline
+                # One round trip for both: the timeline is None exactly on a standby. A
+                # connection opened to a standby that was promoted since learns its timeline
                 # here, and so does the instance.
                 timeline = await read_timeline(conn)
+                self.standby = timeline is None
             record_timeline(conn, timeline)
             stale = self.hosts.stale(timeline)
             if stale is not None:

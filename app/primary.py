@@ -68,7 +68,8 @@ def parse_timeline(walfile: str | None) -> int | None:
 
 
 async def read_timeline(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> int | None:
-    """The server's current timeline, None on a standby."""
+    """The server's current timeline; None on a standby, and only there (a primary always has
+    a current WAL file)."""
     return parse_timeline(await conn.fetchval(TIMELINE_SQL))
 
 
@@ -175,8 +176,7 @@ class Hosts:
         except BaseException:
             conn.terminate()
             raise
-        if isinstance(conn, ServerConnection):
-            conn.timeline = timeline
+        record_timeline(conn, timeline)
         reason = self.stale(timeline)
         if reason is not None:
             conn.terminate()
