@@ -339,6 +339,25 @@ async def test_pause_and_resume_are_recorded(
     assert HOSTILE in json.loads(actions[0]["detail"])["note"]
 
 
+async def test_bad_form_values_are_a_422_page_not_a_500_or_a_503(start_app: StartApp) -> None:
+    """What the API refuses with a 422 the forms refuse too (app/inputs.py's rules): an end
+    time whose instant PostgreSQL cannot store, a NUL in a note, a NUL or overlong key."""
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        for path, fields in (
+            ("/ui/jobs/fast/pause", {"until": "9999-12-31T23:00:00-05:00"}),
+            ("/ui/jobs/fast/pause", {"note": "a\x00b"}),
+            ("/ui/jobs/keyed/cancel", {"key": "a\x00b"}),
+            ("/ui/jobs/keyed/cancel", {"key": "k" * 10_000}),
+        ):
+            r = await user.act(path, **fields)
+            assert r.status_code == 422, (path, fields, r.status_code, r.text[:300])
+            assert "Traceback" not in r.text
+        filtered = await user.http.get("/ui/jobs/keyed", params={"key": "a\x00b"})
+        assert filtered.status_code == 422
+
+
 # --- escaping ------------------------------------------------------------------------------
 
 

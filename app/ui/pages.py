@@ -25,7 +25,7 @@ from app import pause as pause_state
 from app.api import RequestTooLarge, read_body
 from app.db import Conn, Database
 from app.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
-from app.inputs import BIGINT_MAX
+from app.inputs import BIGINT_MAX, text_problem, timestamp_problem
 from app.jobs import MAX_KEY_LENGTH, Registry, parse_params
 from app.outcome import answer
 from app.runner import Runner
@@ -265,9 +265,7 @@ async def job_page(request: Request, name: str) -> Response:
         status = q.get("status") or None
         if status is not None and status not in ops.RUN_STATUSES:
             raise Refused(422, "Invalid status filter.")
-        key = q.get("key") or None
-        if key is not None and (len(key) > MAX_KEY_LENGTH or "\x00" in key):
-            raise Refused(422, "Invalid key filter.")
+        key = _key(q.get("key"), "key filter")
         before = _positive(q.get("before"), "page cursor")
         days = _positive(q.get("days"), "window") or 2
         if days not in WINDOW_DAYS:
@@ -337,7 +335,7 @@ async def cancel(request: Request, name: str) -> Response:
         current, fields = await acting(request)
         if name not in registry:
             raise Refused(404, "No such job.")
-        key = fields.get("key") or None
+        key = _key(fields.get("key"), "key")
         async with db.connection(bounded=False) as conn:
             done = await ops.cancel(
                 conn, registry, settings, name, terminate=False, wait=3.0, key=key, by="ui"
@@ -371,6 +369,16 @@ def _problems(detail: Any) -> str:
     return str(detail)
 
 
+def _key(text: str | None, what: str) -> str | None:
+    """A job key from a form or a query: what the API's key parameters accept, else a 422."""
+    if not text:
+        return None
+    problem = "is too long" if len(text) > MAX_KEY_LENGTH else text_problem(text)
+    if problem is not None:
+        raise Refused(422, f"Invalid {what}: {problem}.")
+    return text
+
+
 def _until(text: str | None) -> datetime | None:
     if not text:
         return None
@@ -378,9 +386,19 @@ def _until(text: str | None) -> datetime | None:
         found = datetime.fromisoformat(text)
     except ValueError:
         raise Refused(422, "Invalid end time: use an ISO time with its offset.") from None
-    if found.tzinfo is None:
-        raise Refused(422, "Invalid end time: give its UTC offset.")
+    # The API's rule (app/inputs.py): an offset, and an instant PostgreSQL can store.
+    problem = timestamp_problem(found)
+    if problem is not None:
+        raise Refused(422, f"Invalid end time: it {problem}.")
     return found
+
+
+def _note(text: str | None) -> str | None:
+    note = (text or "").strip()[: pause_state.MAX_NOTE] or None
+    problem = text_problem(note) if note is not None else None
+    if problem is not None:
+        raise Refused(422, f"Invalid note: it {problem}.")
+    return note
 
 
 @router.post("/jobs/{name}/pause")
@@ -391,7 +409,7 @@ async def pause(request: Request, name: str) -> Response:
         job = registry.get(name)
         if job is None:
             raise Refused(404, "No such job.")
-        note = fields.get("note", "").strip()[:500] or None
+        note = _note(fields.get("note"))
         until = _until(fields.get("until"))
         async with db.connection() as conn, ops.reading(conn):
             try:
@@ -476,13 +494,12 @@ async def locks_page(request: Request) -> Response:
 async def outbox_page(request: Request) -> Response:
     async def render() -> Response:
         db, registry, _ = _state(request)
-        async with db.connection() as conn:
+        async with db.connection() as conn, ops.reading(conn):
             stats = await ops.outbox_stats(conn, registry.schema)
             sent = dead = None
             if stats is not None:
-                async with ops.reading(conn):
-                    sent = await outbox.sent_stats(conn, registry.schema)
-                    dead = await outbox.dead_rows(conn, schema=registry.schema, limit=100)
+                sent = await outbox.sent_stats(conn, registry.schema)
+                dead = await outbox.dead_rows(conn, schema=registry.schema, limit=100)
         return page(request, "outbox.html", live=True, stats=stats, sent=sent, dead=dead or [])
 
     return await _guarded(request, render)
