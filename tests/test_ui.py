@@ -575,16 +575,13 @@ def test_paused_and_failing_badges_render_from_the_views_fields() -> None:
         paused=SimpleNamespace(by="ui (secret)", at=until, note=HOSTILE, until=until),
         retry=SimpleNamespace(retry=2, of=3),
     )
-    row = {"view": view, "failing": view.retry, "paused": view.paused}
-    html = templates.get_template("_badges.html").render(row=row, root="")
+    html = templates.get_template("_badges.html").render(row=view, root="")
     assert "failing, retry 2 of 3" in html
     assert "paused by ui (secret) until 2026-12-04 08:00:00 UTC: &lt;script&gt;" in html
     assert RAW not in html
     assert ">ok<" not in html
-    plain = SimpleNamespace(overdue=False, running=False, running_keys=[])
-    quiet = templates.get_template("_badges.html").render(
-        row={"view": plain, "failing": None, "paused": None}, root=""
-    )
+    plain = SimpleNamespace(overdue=False, running=False, running_keys=[], paused=None, retry=None)
+    quiet = templates.get_template("_badges.html").render(row=plain, root="")
     assert "failing" not in quiet
     assert "paused" not in quiet
     assert ">ok<" in quiet

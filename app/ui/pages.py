@@ -226,16 +226,7 @@ async def _jobs_view(conn: Conn, registry: Registry, settings: Settings) -> dict
     await ops.sweep(conn, settings)
     async with ops.reading(conn):
         view = await ops.jobs(conn, registry)
-    rows = [
-        {
-            "view": j,
-            "job": registry[j.name],
-            "failing": j.retry,
-            "paused": j.paused,
-        }
-        for j in view.jobs
-    ]
-    return {"now": view.now, "rows": rows}
+    return {"now": view.now, "rows": view.jobs}
 
 
 @router.get("")
@@ -277,7 +268,7 @@ async def job_page(request: Request, name: str) -> Response:
                     conn, registry, job=name, status=status, key=key, before=before, limit=50
                 )
                 recent = await ops.runs(conn, registry, job=name, limit=500)
-        row = next(r for r in data["rows"] if r["view"].name == name)
+        row = next(r for r in data["rows"] if r.name == name)
         line = timeline.build(job, recent.runs, data["now"], days)
         filters = {"status": status or "", "key": key or "", "days": str(days)}
         next_query = urlencode({**filters, "before": table.next}) if table.next else None
