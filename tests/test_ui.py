@@ -533,6 +533,12 @@ def test_timeline_marks_runs_and_missed_slots() -> None:
     assert {t.title for t in missed} == {
         f"slot {slots[h].strftime('%Y-%m-%d %H:%M')}: missed" for h in (3, 4)
     }
+    # Only the newest runs fetched (the page's query is capped): the slots older than the
+    # oldest of them are not known to be missed.
+    newest = [r for r in runs if r.started_at > slots[6]]  # back to slot 5's failed run
+    partial = timeline.build(job, newest, now, days=1, complete=False)
+    assert partial.missed == 2  # slots 3 and 4, after the oldest run given
+    assert timeline.build(job, newest, now, days=1).missed == 20  # as if the rest were
     every_minute = Job(name="m", func=lambda ctx: None, schedule=Schedule.parse("* * * * *"))  # type: ignore[arg-type, return-value]
     assert not timeline.build(every_minute, [], now, days=1).slots_drawn
 

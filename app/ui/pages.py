@@ -222,8 +222,12 @@ async def logout(request: Request) -> Response:
 # --- jobs -----------------------------------------------------------------------------------
 
 
-async def _jobs_view(conn: Conn, registry: Registry, settings: Settings) -> dict[str, Any]:
-    await ops.sweep(conn, settings)
+async def _jobs_view(
+    conn: Conn, registry: Registry, settings: Settings, job: str | None = None
+) -> dict[str, Any]:
+    """Every job's view; runs whose holder is gone are closed first (`job`'s alone on its
+    own page)."""
+    await ops.sweep(conn, settings, job)
     async with ops.reading(conn):
         view = await ops.jobs(conn, registry)
     return {"now": view.now, "rows": view.jobs}
@@ -262,14 +266,14 @@ async def job_page(request: Request, name: str) -> Response:
         if days not in WINDOW_DAYS:
             raise Refused(422, "Invalid window: 1, 2, 7 or 14 days.")
         async with db.connection() as conn:
-            data = await _jobs_view(conn, registry, settings)
+            data = await _jobs_view(conn, registry, settings, name)
             async with ops.reading(conn):
                 table = await ops.runs(
                     conn, registry, job=name, status=status, key=key, before=before, limit=50
                 )
                 recent = await ops.runs(conn, registry, job=name, limit=500)
         row = next(r for r in data["rows"] if r.name == name)
-        line = timeline.build(job, recent.runs, data["now"], days)
+        line = timeline.build(job, recent.runs, data["now"], days, complete=recent.next is None)
         filters = {"status": status or "", "key": key or "", "days": str(days)}
         next_query = urlencode({**filters, "before": table.next}) if table.next else None
         return page(

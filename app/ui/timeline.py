@@ -61,7 +61,12 @@ class Timeline:
     axis: float = AXIS
 
 
-def build(job: Job, runs: list[RunView], now: datetime, days: float) -> Timeline:
+def build(
+    job: Job, runs: list[RunView], now: datetime, days: float, *, complete: bool = True
+) -> Timeline:
+    """`runs`: the job's runs in the window, newest first; `complete=False` when they are only
+    the newest of them (a capped query): slots older than the oldest run given are then not
+    called missed, since their runs may simply not have been fetched."""
     start = now - timedelta(days=days)
     span = (now - start).total_seconds()
     line = Timeline(start=start, end=now)
@@ -108,8 +113,9 @@ def build(job: Job, runs: list[RunView], now: datetime, days: float) -> Timeline
             line.slots_drawn = False
         else:
             grace = timedelta(seconds=job.grace)
+            known_from = start if complete or not runs else min(r.started_at for r in runs)
             for tick in ticks:
-                missed = tick not in covered and tick + grace < now
+                missed = tick not in covered and tick + grace < now and tick >= known_from
                 line.missed += missed
                 label = tick.strftime("%Y-%m-%d %H:%M")
                 line.slots.append(
