@@ -38,6 +38,7 @@ class Receiver:
         self.deliveries: Counter[str] = Counter()
         self.loop = asyncio.new_event_loop()
         self.server: asyncio.Server | None = None
+        self.open: dict[asyncio.StreamWriter, asyncio.Task[None]] = {}
         self.released = asyncio.Event()
         self.loop.call_soon_threadsafe(self.released.set)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -76,6 +77,19 @@ class Receiver:
 
     def close(self) -> None:
         self.down()
+
+        async def finish() -> None:
+            # Python 3.11's Server.close leaves accepted connections open: a handler still
+            # reading one would be collected after the loop closed (an unraisable "Event loop
+            # is closed" at the test's teardown). Closing its transport ends its read, and the
+            # handler returns normally (a held one is released first).
+            self.released.set()
+            handlers = list(self.open.items())
+            for writer, _ in handlers:
+                writer.close()
+            await asyncio.gather(*(task for _, task in handlers), return_exceptions=True)
+
+        self._call(finish())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.loop.close()
@@ -92,6 +106,9 @@ class Receiver:
             time.sleep(0.05)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.open[writer] = task
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.decode("latin-1").split("\r\n")
@@ -114,3 +131,4 @@ class Receiver:
             pass
         finally:
             writer.close()
+            self.open.pop(writer, None)
