@@ -326,19 +326,27 @@ async def sweep(conn: Conn, settings: Settings, job: str | None = None) -> list[
         return []
 
 
-async def jobs(conn: Conn, registry: Registry, *, now: datetime | None = None) -> JobsView:
-    """Every job's state; `now` defaults to the database's clock (tests pass another)."""
+async def jobs(
+    conn: Conn,
+    registry: Registry,
+    *,
+    now: datetime | None = None,
+    only: str | None = None,
+    held: list[LockView] | None = None,
+) -> JobsView:
+    """Every job's state (or `only` that registered job's); `now` defaults to the database's
+    clock (tests pass another); `held` is `locks()` if the caller has read it already."""
     if now is None:
         now = await conn.fetchval(NOW_SQL)
         assert now is not None
-    names = list(registry)
-    holders = _holders(await locks(conn, registry), registry)
+    names = [only] if only is not None else list(registry)
+    holders = _holders(held if held is not None else await locks(conn, registry), registry)
     last = await ledger.last_runs(conn, registry.schema, names)
     succeeded = await ledger.last_succeeded_slots(conn, registry.schema, names)
-    paused = await pause.active(conn, registry.schema)
-    retrying = await retries.pending(conn, registry, now, RETRY_VIEW_WINDOW)
+    paused = await pause.active(conn, registry.schema, only)
+    retrying = await retries.pending(conn, registry, now, RETRY_VIEW_WINDOW, only)
     views = []
-    for job in registry.values():
+    for job in (registry[name] for name in names):
         current = nxt = None
         if job.schedule is not None:
             with contextlib.suppress(ScheduleError):
@@ -417,15 +425,17 @@ async def runs(
     before: int | None = None,
     limit: int = 50,
     key: str | None = None,
+    held: list[LockView] | None = None,
 ) -> RunsPage:
-    """Newest first; one row more than asked tells whether there is a next page."""
+    """Newest first; one row more than asked tells whether there is a next page. `held` is
+    `locks()` if the caller has read it already."""
     found = await ledger.list_runs(
         conn, registry.schema, job=job, status=status, before=before, limit=limit + 1, key=key
     )
     page, more = found[:limit], len(found) > limit
-    held = _holders(await locks(conn, registry), registry)
+    holders = _holders(held if held is not None else await locks(conn, registry), registry)
     return RunsPage(
-        runs=[_run_view(r, held) for r in page], next=page[-1].id if more and page else None
+        runs=[_run_view(r, holders) for r in page], next=page[-1].id if more and page else None
     )
 
 

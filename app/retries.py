@@ -70,13 +70,18 @@ def verdict(job: Job, failed: ledger.Run, now: datetime) -> Verdict:
 
 
 async def pending(
-    conn: Conn, registry: Registry, now: datetime, window: float
+    conn: Conn, registry: Registry, now: datetime, window: float, job: str | None = None
 ) -> dict[str, list[Verdict]]:
-    """Per job with retries, its failed slots that will be retried (due or waiting)."""
+    """Per job with retries (all of them, or `job` alone), its failed slots that will be
+    retried (due or waiting)."""
     # Lease jobs too: an attempt whose holder died is taken over (its successor names it, so
     # it is not one to retry here); a failed or timed-out one is retried like any other, and
     # resumes from its checkpoint. Their takeovers are attempts as well, and count as such.
-    jobs = {name: j for name, j in registry.items() if j.retries > 0 and j.schedule is not None}
+    jobs = {
+        name: j
+        for name, j in registry.items()
+        if j.retries > 0 and j.schedule is not None and job in (None, name)
+    }
     if not jobs:
         return {}
     since = now - timedelta(seconds=window)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from app import ops
+from app import pause as pause_state
 from app.jobs import load
 from app.schedule import Schedule
 from tests.support import TEST_SECRET
@@ -397,6 +398,36 @@ async def test_overdue_across_a_slot_boundary_by_the_database_clock(
     assert await overdue(tick + 2 * hour + second)
     await seed_run(db, job.name, slot=tick + 2 * hour)
     assert not await overdue(tick + 2 * hour + grace + second)
+
+
+async def test_one_jobs_view_is_that_job_in_every_jobs_view(
+    db: asyncpg.Connection, database_url: str
+) -> None:
+    """A job's page reads `jobs(only=name)`: the same row as the full view, for a job that
+    failed (a retry pending), one paused, one running (its lock held), one never run."""
+    registry = load(["tests.own_jobs"])
+    now: datetime = await db.fetchval("SELECT now()")
+    flaky = registry["flaky"].schedule
+    assert flaky is not None
+    await seed_run(db, "flaky", slot=flaky.prev_tick(now), status="failed")
+    await seed_run(db, "always-fails", slot=None, trigger="manual")
+    await pause_state.pause(db, "cronlock", "heartbeat", by="test", note="why")
+    holder = await asyncpg.connect(database_url)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1::bigint)", registry.key("tick"))
+        full = {j.name: j for j in (await ops.jobs(db, registry, now=now)).jobs}
+        held = await ops.locks(db, registry)
+        for name in registry:
+            one = await ops.jobs(db, registry, now=now, only=name)
+            assert one.jobs == [full[name]]
+            assert (await ops.jobs(db, registry, now=now, only=name, held=held)).jobs == one.jobs
+    finally:
+        await holder.close()
+    assert full["flaky"].retry is not None
+    assert full["heartbeat"].paused is not None
+    assert full["tick"].running
+    assert full["always-fails"].last_run is not None
+    assert full["hourly-late"].last_run is None
 
 
 async def test_overdue_in_the_api_follows_the_ledger(

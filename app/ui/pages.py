@@ -23,7 +23,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from app import ops, outbox
 from app import pause as pause_state
 from app.api import RequestTooLarge, read_body
-from app.db import Conn, Database
+from app.db import Database
 from app.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
 from app.inputs import BIGINT_MAX, text_problem, timestamp_problem
 from app.jobs import MAX_KEY_LENGTH, Registry, parse_params
@@ -222,17 +222,6 @@ async def logout(request: Request) -> Response:
 # --- jobs -----------------------------------------------------------------------------------
 
 
-async def _jobs_view(
-    conn: Conn, registry: Registry, settings: Settings, job: str | None = None
-) -> dict[str, Any]:
-    """Every job's view; runs whose holder is gone are closed first (`job`'s alone on its
-    own page)."""
-    await ops.sweep(conn, settings, job)
-    async with ops.reading(conn):
-        view = await ops.jobs(conn, registry)
-    return {"now": view.now, "rows": view.jobs}
-
-
 @router.get("")
 async def ui_root(request: Request) -> Response:
     return back(request, "/")
@@ -243,8 +232,10 @@ async def jobs_page(request: Request) -> Response:
     async def render() -> Response:
         db, registry, settings = _state(request)
         async with db.connection() as conn:
-            data = await _jobs_view(conn, registry, settings)
-        return page(request, "jobs.html", live=True, words=words, **data)
+            await ops.sweep(conn, settings)  # runs whose holder is gone are closed first
+            async with ops.reading(conn):
+                view = await ops.jobs(conn, registry)
+        return page(request, "jobs.html", live=True, words=words, now=view.now, rows=view.jobs)
 
     return await _guarded(request, render)
 
@@ -266,14 +257,24 @@ async def job_page(request: Request, name: str) -> Response:
         if days not in WINDOW_DAYS:
             raise Refused(422, "Invalid window: 1, 2, 7 or 14 days.")
         async with db.connection() as conn:
-            data = await _jobs_view(conn, registry, settings, name)
+            await ops.sweep(conn, settings, name)
             async with ops.reading(conn):
+                # One look at the locks for the job's row and both lists of runs.
+                held = await ops.locks(conn, registry)
+                view = await ops.jobs(conn, registry, only=name, held=held)
                 table = await ops.runs(
-                    conn, registry, job=name, status=status, key=key, before=before, limit=50
+                    conn,
+                    registry,
+                    job=name,
+                    status=status,
+                    key=key,
+                    before=before,
+                    limit=50,
+                    held=held,
                 )
-                recent = await ops.runs(conn, registry, job=name, limit=500)
-        row = next(r for r in data["rows"] if r.name == name)
-        line = timeline.build(job, recent.runs, data["now"], days, complete=recent.next is None)
+                recent = await ops.runs(conn, registry, job=name, limit=500, held=held)
+        [row] = view.jobs
+        line = timeline.build(job, recent.runs, view.now, days, complete=recent.next is None)
         filters = {"status": status or "", "key": key or "", "days": str(days)}
         next_query = urlencode({**filters, "before": table.next}) if table.next else None
         return page(
@@ -281,7 +282,7 @@ async def job_page(request: Request, name: str) -> Response:
             "job.html",
             live=True,
             words=words,
-            now=data["now"],
+            now=view.now,
             row=row,
             runs=table.runs,
             next_query=next_query,
