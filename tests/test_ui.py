@@ -307,6 +307,42 @@ async def test_requeue_one_and_all(start_app: StartApp, db: asyncpg.Connection) 
     assert len(json.loads(actions[1]["detail"])["ids"]) == 2
 
 
+async def test_outbox_counts_sent_rows_and_the_send_rate(
+    start_app: StartApp, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sent 30 s, 10 min and 2 h ago (by the database's clock), one pending, one dead; the
+    rows kept are counted up to a bound (5 here, 100,000 by default), then "more than"."""
+    app = await ui_app(start_app)
+    await db.execute(
+        "INSERT INTO cronlock.email_outbox (job, user_id, sender, recipient, subject, body,"
+        " status, sent_at) SELECT 'daily-digest', g, 'a@example.com', 'u@example.com', 'Hi',"
+        " 'body', 'sent', now() - make_interval(secs => s) FROM unnest($1::int[], $2::float8[])"
+        " AS t(g, s)",
+        [1, 2, 3, 4],
+        [30, 600, 7200, 7300],
+    )
+    await db.execute(
+        "INSERT INTO cronlock.email_outbox (job, user_id, sender, recipient, subject, body)"
+        " VALUES ('daily-digest', 9, 'a@example.com', 'u@example.com', 'Hi', 'body')"
+    )
+    await dead_email(db, "d@example.com", "422 refused")
+    monkeypatch.setattr("app.outbox.KEPT_COUNT_LIMIT", 5)
+    async with User(app) as user:
+        await user.login(READ_TOKEN)
+        text = (await user.http.get("/ui/outbox")).text
+        assert '<dd data-count="sent">4 kept</dd>' in text
+        assert "1 in the last minute, 2 in the last hour" in text
+        assert '<dd data-count="dead">1</dd>' in text
+        await db.execute(
+            "INSERT INTO cronlock.email_outbox (job, user_id, sender, recipient, subject, body,"
+            " status, sent_at) SELECT 'daily-digest', g, 'a@example.com', 'u@example.com',"
+            " 'Hi', 'body', 'sent', now() - interval '3 hours' FROM generate_series(10, 11) g"
+        )
+        text = (await user.http.get("/ui/outbox")).text
+        assert '<dd data-count="sent">more than 5 kept</dd>' in text
+        assert "1 in the last minute, 2 in the last hour" in text
+
+
 async def test_cancel_when_not_running(start_app: StartApp) -> None:
     app = await ui_app(start_app)
     async with User(app) as user:
