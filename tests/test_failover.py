@@ -234,7 +234,9 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
     """Asynchronous replication, a standby behind (its walreceiver frozen): the digest answered
     200 and its emails delivered on the old primary, which then dies. The promoted standby never
     had that run: the slot runs again there, and its emails carry the same idempotency keys, so
-    the provider (which honours keys) delivers each once."""
+    the provider (which honours keys) delivers each once. `cronlock_job_overdue` follows the
+    surviving ledger: 0 after the run, 1 once the promoted server lacks it, 0 after the re-run
+    (the digest's due slot, today's 07:00 or yesterday's within its grace, always exists)."""
     old = await new_primary(root / f"lossy-{time.monotonic_ns()}")
     new = start_standby(old, root / f"lossy-standby-{time.monotonic_ns()}")
     try:
@@ -251,7 +253,16 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
             outbox_rate_limit=0,
             outbox_poll_interval=0.1,
             outbox_shutdown_timeout=1.0,
+            metrics_token=METRICS_TOKEN,
         )
+
+        async def overdue() -> float | None:
+            samples = await scrape(client, app.url)
+            if value(samples, "cronlock_database_up") != 1:
+                return None  # not through to the primary yet
+            return value(samples, "cronlock_job_overdue", job="daily-digest")
+
+        assert await overdue() == 1  # never run in this database
         receiver = walreceiver(new)
         os.kill(receiver, signal.SIGSTOP)
         first = await trigger(client, app.url, "daily-digest")
@@ -260,6 +271,7 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
         # Polled, not provider.wait: the app's sender runs on this event loop.
         await until(lambda: len(provider.delivered()) == 5, 10, "the first digest's emails")
         keys = set(provider.delivered())
+        assert await overdue() == 0
         old.kill()
         # Killed, not resumed: the WAL waiting in its socket's buffer must never be read.
         # The standby's postmaster restarts its processes (recovery from its own WAL).
@@ -272,6 +284,12 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
             assert await promoted.fetchval("SELECT count(*) FROM cronlock.runs") == 0
         finally:
             await promoted.close()
+
+        async def overdue_is(expected: float) -> bool:
+            return await overdue() == expected
+
+        # The answered run is gone with the old primary: overdue again.
+        await until(lambda: overdue_is(1), 10, "overdue once the run is lost")
         again = await trigger(client, app.url, "daily-digest")
         for _ in range(10):
             if again.status_code == 200:
@@ -289,6 +307,7 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
         finally:
             await conn.close()
         assert requeued == keys
+        assert await overdue() == 0
         await until(
             lambda: all(len(provider.for_key(k)) >= 2 for k in keys), 10, "the re-sent emails"
         )
