@@ -420,3 +420,103 @@ async def test_asynchronous_failover_loses_lease_steps_and_the_takeover_does_the
     finally:
         new.stop("immediate")
         old.stop("immediate")
+
+
+SYNC_WAITING_SQL = """
+SELECT pid FROM pg_stat_activity
+WHERE wait_event = 'SyncRep' AND application_name LIKE 'cronlock:%' AND query ILIKE 'commit%'
+"""
+
+
+@pytest.mark.slow  # two PostgreSQL servers of its own
+async def test_a_commit_whose_wait_for_the_synchronous_standby_is_terminated_is_a_500(
+    root: Path, start_app: StartApp, client: httpx.AsyncClient
+) -> None:
+    """docs/guarantees.md's one case synchronous replication does not cover: the job's COMMIT
+    waits for the standby (its walreceiver frozen), and its backend is terminated while it
+    waits. The commit is then visible on the primary and not on the standby, and cronlock,
+    whose commit never returned, answers 500 with the run id, never 200. A failover right then
+    loses the run, and its slot runs again once on the promoted server."""
+    old = await new_primary(root / f"sync-{time.monotonic_ns()}")
+    new = start_standby(old, root / f"sync-standby-{time.monotonic_ns()}")
+    watch = await asyncpg.connect(old.dsn(DBNAME))
+    try:
+        await watch.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+        await watch.execute("SELECT pg_reload_conf()")
+        await until(
+            lambda: watch.fetchval(
+                "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'"
+            ),
+            10,
+            "the standby synchronous",
+        )
+        app = await start_app("sync", database_url=multi_host(old, new), db_connect_timeout=1.0)
+        body = {"customer_id": 7, "seconds": 1.5}
+        running = asyncio.create_task(
+            client.post(f"{app.url}/cron/keyed-yearly", headers=AUTH, json=body, timeout=30)
+        )
+        # The run's row is written (and replicated) as it starts; the job then sleeps, and
+        # its COMMIT comes once the standby has stopped acknowledging.
+        await until(
+            lambda: watch.fetchval("SELECT count(*) FROM cronlock.runs WHERE status = 'running'"),
+            10,
+            "the run started",
+        )
+        receiver = walreceiver(new)
+        os.kill(receiver, signal.SIGSTOP)
+        waiting: list[int] = []
+
+        async def commit_waiting() -> bool:
+            waiting[:] = [r["pid"] for r in await watch.fetch(SYNC_WAITING_SQL)]
+            return bool(waiting)
+
+        await until(commit_waiting, 10, "the job's COMMIT waiting for the standby")
+        assert await watch.fetchval("SELECT pg_terminate_backend($1)", waiting[0])
+        answer = await running
+        assert answer.status_code == 500, answer.text
+        run_id = answer.json()["run_id"]
+        # Committed locally: the old primary has the run succeeded and its effect.
+        status = "SELECT status, slot FROM cronlock.runs WHERE id = $1"
+        on_old = await watch.fetchrow(status, run_id)
+        assert on_old is not None
+        assert on_old["status"] == "succeeded"
+        assert await watch.fetchval("SELECT count(*) FROM job_effects") == 1
+        await watch.close()
+        old.kill()
+        os.kill(receiver, signal.SIGKILL)  # the WAL in its socket's buffer is never read
+        new.wait_ready()
+        promoted = await connect_retrying(new.dsn(DBNAME))
+        try:
+            assert await promoted.fetchval("SELECT pg_promote(wait => true)")
+            # The promoted server never had the commit: the run is still `running` there
+            # (its row was replicated as it started), the effect's table not even created.
+            assert await promoted.fetchval(status, run_id) == "running"
+            assert await promoted.fetchval("SELECT to_regclass('job_effects')") is None
+        finally:
+            await promoted.close()
+        again = await client.post(f"{app.url}/cron/keyed-yearly", headers=AUTH, json=body)
+        for _ in range(20):
+            if again.status_code == 200:
+                break
+            await asyncio.sleep(0.2)
+            again = await client.post(f"{app.url}/cron/keyed-yearly", headers=AUTH, json=body)
+        assert again.status_code == 200, again.text
+        assert again.json().get("skipped") is None, again.text  # ran: the slot was not done
+        conn = await asyncpg.connect(new.dsn(DBNAME))
+        try:
+            assert (
+                await conn.fetchval(
+                    "SELECT count(*) FROM cronlock.runs WHERE job = 'keyed-yearly' AND slot = $1"
+                    " AND status = 'succeeded'",
+                    on_old["slot"],
+                )
+                == 1
+            )
+            assert await conn.fetchval("SELECT count(*) FROM job_effects") == 1
+        finally:
+            await conn.close()
+    finally:
+        with contextlib.suppress(Exception):
+            await watch.close()
+        new.stop("immediate")
+        old.stop("immediate")
