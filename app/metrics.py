@@ -12,6 +12,7 @@ Two kinds of series:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -155,6 +156,11 @@ class Metrics:
         self.overdue_jobs.set(sum(1 for late in overdue.values() if late))
         for job, slot in last_success.items():
             self.last_success.labels(job).set(slot.timestamp())
+        for job in overdue.keys() - last_success.keys():
+            # No succeeded run in the ledger (any more: pruned by hand, or lost in a failover):
+            # no series, rather than the slot of a run that is gone.
+            with contextlib.suppress(KeyError):
+                self.last_success.remove(job)
 
     def set_paused(self, paused_for: Mapping[str, float], jobs: Iterable[str]) -> None:
         """`paused_for`: seconds since each paused job was paused; every other job is 0."""

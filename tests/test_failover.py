@@ -236,7 +236,8 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
     had that run: the slot runs again there, and its emails carry the same idempotency keys, so
     the provider (which honours keys) delivers each once. `cronlock_job_overdue` follows the
     surviving ledger: 0 after the run, 1 once the promoted server lacks it, 0 after the re-run
-    (the digest's due slot, today's 07:00 or yesterday's within its grace, always exists)."""
+    (the digest's due slot always exists: today's 07:00, or yesterday's while today's is
+    within its grace); the last success's series goes with the lost run."""
     old = await new_primary(root / f"lossy-{time.monotonic_ns()}")
     new = start_standby(old, root / f"lossy-standby-{time.monotonic_ns()}")
     try:
@@ -260,7 +261,11 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
             samples = await scrape(client, app.url)
             if value(samples, "cronlock_database_up") != 1:
                 return None  # not through to the primary yet
-            return value(samples, "cronlock_job_overdue", job="daily-digest")
+            late = value(samples, "cronlock_job_overdue", job="daily-digest")
+            assert value(samples, "cronlock_overdue_jobs") == late  # the only scheduled job
+            last = "cronlock_job_last_success_slot_timestamp_seconds"
+            assert (value(samples, last, job="daily-digest") is None) == (late == 1)
+            return late
 
         assert await overdue() == 1  # never run in this database
         receiver = walreceiver(new)
@@ -422,9 +427,10 @@ async def test_asynchronous_failover_loses_lease_steps_and_the_takeover_does_the
         old.stop("immediate")
 
 
+# The run's own backend (the one holding its lock, which commits it), waiting for the standby.
 SYNC_WAITING_SQL = """
-SELECT pid FROM pg_stat_activity
-WHERE wait_event = 'SyncRep' AND application_name LIKE 'cronlock:%' AND query ILIKE 'commit%'
+SELECT a.pid FROM pg_stat_activity AS a JOIN cronlock.runs AS r ON r.backend_pid = a.pid
+WHERE r.status = 'running' AND a.wait_event = 'SyncRep' AND a.query ILIKE 'commit%'
 """
 
 
@@ -440,6 +446,8 @@ async def test_a_commit_whose_wait_for_the_synchronous_standby_is_terminated_is_
     old = await new_primary(root / f"sync-{time.monotonic_ns()}")
     new = start_standby(old, root / f"sync-standby-{time.monotonic_ns()}")
     watch = await asyncpg.connect(old.dsn(DBNAME))
+    running: asyncio.Task[httpx.Response] | None = None
+    receiver: int | None = None
     try:
         await watch.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
         await watch.execute("SELECT pg_reload_conf()")
@@ -451,7 +459,7 @@ async def test_a_commit_whose_wait_for_the_synchronous_standby_is_terminated_is_
             "the standby synchronous",
         )
         app = await start_app("sync", database_url=multi_host(old, new), db_connect_timeout=1.0)
-        body = {"customer_id": 7, "seconds": 1.5}
+        body = {"customer_id": 7, "seconds": 3}  # time to freeze the standby meanwhile
         running = asyncio.create_task(
             client.post(f"{app.url}/cron/keyed-yearly", headers=AUTH, json=body, timeout=30)
         )
@@ -474,6 +482,7 @@ async def test_a_commit_whose_wait_for_the_synchronous_standby_is_terminated_is_
         assert await watch.fetchval("SELECT pg_terminate_backend($1)", waiting[0])
         answer = await running
         assert answer.status_code == 500, answer.text
+        assert answer.json()["error"] == "job failed"
         run_id = answer.json()["run_id"]
         # Committed locally: the old primary has the run succeeded and its effect.
         status = "SELECT status, slot FROM cronlock.runs WHERE id = $1"
@@ -516,6 +525,13 @@ async def test_a_commit_whose_wait_for_the_synchronous_standby_is_terminated_is_
         finally:
             await conn.close()
     finally:
+        if running is not None and not running.done():
+            running.cancel()
+            with contextlib.suppress(BaseException):
+                await running
+        if receiver is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(receiver, signal.SIGKILL)
         with contextlib.suppress(Exception):
             await watch.close()
         new.stop("immediate")

@@ -38,7 +38,8 @@ class Receiver:
         self.deliveries: Counter[str] = Counter()
         self.loop = asyncio.new_event_loop()
         self.server: asyncio.Server | None = None
-        self.open: dict[asyncio.StreamWriter, asyncio.Task[None]] = {}
+        self.open: set[asyncio.StreamWriter] = set()
+        self.closing = False
         self.released = asyncio.Event()
         self.loop.call_soon_threadsafe(self.released.set)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -76,18 +77,24 @@ class Receiver:
         self.loop.call_soon_threadsafe(self.released.set)
 
     def close(self) -> None:
-        self.down()
-
         async def finish() -> None:
-            # Python 3.11's Server.close leaves accepted connections open: a handler still
+            # Server.close (Python 3.11) leaves accepted connections open: a handler still
             # reading one would be collected after the loop closed (an unraisable "Event loop
-            # is closed" at the test's teardown). Closing its transport ends its read, and the
-            # handler returns normally (a held one is released first).
+            # is closed" at the test's teardown). Closing its transport ends its read and the
+            # handler returns normally (a held one is released first); one accepted but not
+            # yet started sees `closing` and returns at once.
+            self.closing = True
+            if self.server is not None:
+                self.server.close()
             self.released.set()
-            handlers = list(self.open.items())
-            for writer, _ in handlers:
+            for writer in list(self.open):
                 writer.close()
-            await asyncio.gather(*(task for _, task in handlers), return_exceptions=True)
+            others = asyncio.all_tasks() - {asyncio.current_task()}
+            await asyncio.gather(*others, return_exceptions=True)
+            if self.server is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.server.wait_closed(), 2)
+                self.server = None
 
         self._call(finish())
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -106,9 +113,10 @@ class Receiver:
             time.sleep(0.05)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.open[writer] = task
+        if self.closing:
+            writer.close()
+            return
+        self.open.add(writer)
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.decode("latin-1").split("\r\n")
@@ -131,4 +139,4 @@ class Receiver:
             pass
         finally:
             writer.close()
-            self.open.pop(writer, None)
+            self.open.discard(writer)
