@@ -227,6 +227,25 @@ def walreceiver(standby: ScratchPostgres) -> int:
     raise AssertionError("no walreceiver")
 
 
+async def fail_over(
+    old: ScratchPostgres, new: ScratchPostgres, receiver: int
+) -> asyncpg.Connection:
+    """The primary dies while its standby is behind (`receiver`, its walreceiver, frozen), and
+    the standby is promoted; returns a connection to it. The walreceiver is killed, not
+    resumed: the WAL waiting in its socket's buffer must never be read (the standby's
+    postmaster restarts its processes, recovering from its own WAL)."""
+    old.kill()
+    os.kill(receiver, signal.SIGKILL)
+    new.wait_ready()
+    promoted = await connect_retrying(new.dsn(DBNAME))
+    try:
+        assert await promoted.fetchval("SELECT pg_promote(wait => true)")
+    except BaseException:
+        await promoted.close()
+        raise
+    return promoted
+
+
 @pytest.mark.slow
 async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_their_keys(
     root: Path, start_app: StartApp, client: httpx.AsyncClient, provider: Provider
@@ -277,14 +296,8 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
         await until(lambda: len(provider.delivered()) == 5, 10, "the first digest's emails")
         keys = set(provider.delivered())
         assert await overdue() == 0
-        old.kill()
-        # Killed, not resumed: the WAL waiting in its socket's buffer must never be read.
-        # The standby's postmaster restarts its processes (recovery from its own WAL).
-        os.kill(receiver, signal.SIGKILL)
-        new.wait_ready()
-        promoted = await connect_retrying(new.dsn(DBNAME))
+        promoted = await fail_over(old, new, receiver)
         try:
-            assert await promoted.fetchval("SELECT pg_promote(wait => true)")
             # The run answered 200 is not there: lost with the old primary.
             assert await promoted.fetchval("SELECT count(*) FROM cronlock.runs") == 0
         finally:
@@ -393,12 +406,8 @@ async def test_asynchronous_failover_loses_lease_steps_and_the_takeover_does_the
             on_old = int(await watch.fetchval("SELECT count(*) FROM lease_effects"))
         finally:
             await watch.close()
-        old.kill()
-        os.kill(receiver, signal.SIGKILL)  # the WAL in its socket's buffer is never read
-        new.wait_ready()
-        promoted = await connect_retrying(new.dsn(DBNAME))
+        promoted = await fail_over(old, new, receiver)
         try:
-            assert await promoted.fetchval("SELECT pg_promote(wait => true)")
             kept = int(await promoted.fetchval("SELECT count(*) FROM lease_effects"))
             assert kept < on_old, (kept, on_old)  # steps were lost with the old primary
 
@@ -491,12 +500,9 @@ async def test_a_commit_whose_wait_for_the_synchronous_standby_is_terminated_is_
         assert on_old["status"] == "succeeded"
         assert await watch.fetchval("SELECT count(*) FROM job_effects") == 1
         await watch.close()
-        old.kill()
-        os.kill(receiver, signal.SIGKILL)  # the WAL in its socket's buffer is never read
-        new.wait_ready()
-        promoted = await connect_retrying(new.dsn(DBNAME))
+        promoted = await fail_over(old, new, receiver)
+        receiver = None  # killed by fail_over
         try:
-            assert await promoted.fetchval("SELECT pg_promote(wait => true)")
             # The promoted server never had the commit: the run is still `running` there
             # (its row was replicated as it started), the effect's table not even created.
             assert await promoted.fetchval(status, run_id) == "running"
