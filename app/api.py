@@ -236,7 +236,10 @@ def job_router(registry: Registry, settings: Settings) -> APIRouter:
                 401: {"description": "missing or wrong secret"},
                 413: {"description": "body too large"},
                 422: {"description": "bad parameters"},
-                500: {"description": "job failed (with run id)"},
+                500: {
+                    "description": "job failed (with run id; `commit: unknown` when the "
+                    "connection broke during its commit, which may have landed)"
+                },
                 503: {"description": "database unavailable (Retry-After)"},
                 504: {"description": "job timed out (with run id)"},
             },

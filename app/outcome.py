@@ -29,6 +29,9 @@ class Outcome:
     trigger: Trigger = "scheduled"
     key: str | None = None  # a keyed job's key, shown in every answer about its run
     lease_expires_at: datetime | None = None  # a lease run's, as it began (database clock)
+    # A failed run whose connection broke during its COMMIT: whether the commit landed is not
+    # known here (the run's ledger row tells: `ledger.finish` leaves a succeeded row alone).
+    commit_unknown: bool = False
 
 
 def answer(outcome: Outcome) -> tuple[int, dict[str, Any]]:
@@ -73,4 +76,6 @@ def answer(outcome: Outcome) -> tuple[int, dict[str, Any]]:
     if outcome.kind == "cancelled":
         # Still a 5xx: the slot is not done, and a scheduler should know.
         return 500, {"error": "job cancelled", **ids}
+    if outcome.commit_unknown:
+        return 500, {"error": "job failed", **ids, "commit": "unknown"}
     return 500, {"error": "job failed", **ids}

@@ -23,6 +23,7 @@ import asyncpg
 from app import cancel, ledger, pause
 from app.db import Conn, Database, deadline, terminate
 from app.errors import (
+    CONNECTION_ERRORS,
     DATABASE_ERRORS,
     DRIVER_ERRORS,
     STANDBY_REASON,
@@ -435,6 +436,7 @@ class Runner:
                 self.lock_slots.release()
 
     async def _commit(self, lease: _Lease, result: Any, source: str) -> Outcome:
+        committing = False
         try:
             with deadline(lease.conn, self.settings.db_query_timeout):
                 await reset_session(
@@ -446,13 +448,20 @@ class Runner:
                 duration = await ledger.succeed(
                     lease.conn, self.settings.db_schema, lease.ctx.run_id, result
                 )
+                committing = True
                 await lease.tx.commit()
         except DATABASE_ERRORS as exc:
-            # Whether the commit landed is unknown when the connection broke during it: the
-            # conditional update in `ledger.finish` leaves a succeeded row alone.
+            # Whether the commit landed is unknown when the connection broke during it (the
+            # server's error answer to COMMIT, say a deferred constraint, is a sure rollback):
+            # the conditional update in `ledger.finish` leaves a succeeded row alone.
+            unknown = committing and (
+                isinstance(exc, CONNECTION_ERRORS) or not isinstance(exc, asyncpg.PostgresError)
+            )
             reason = exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc)
             await self._rollback(lease, "failed", f"commit failed: {reason}")
-            return self._outcome(lease, "failed", source, reason=reason)
+            return self._outcome(
+                lease, "failed", source, reason=f"commit failed: {reason}", commit_unknown=unknown
+            )
         return self._outcome(lease, "succeeded", source, processed=result, duration=duration)
 
     async def _rollback(self, lease: _Lease, status: str, error: str) -> None:
@@ -490,6 +499,7 @@ class Runner:
         processed: Any = None,
         duration: float | None = None,
         reason: str | None = None,
+        commit_unknown: bool = False,
     ) -> Outcome:
         return self.finished(
             lease.ctx,
@@ -499,6 +509,7 @@ class Runner:
             processed=processed,
             duration=duration,
             reason=reason,
+            commit_unknown=commit_unknown,
         )
 
     def finished(
@@ -511,6 +522,7 @@ class Runner:
         processed: Any = None,
         duration: float | None = None,
         reason: str | None = None,
+        commit_unknown: bool = False,
     ) -> Outcome:
         """The outcome of a run that took the lock (or a lease), logged and counted once; the
         duration defaults to the time since `started` (monotonic)."""
@@ -526,6 +538,7 @@ class Runner:
             reason,
             ctx.trigger,
             ctx.key,
+            commit_unknown=commit_unknown,
         )
         self.log_outcome(outcome, source)
         return outcome

@@ -197,6 +197,53 @@ async def test_job_failure_is_500_with_run_id_and_leaves_nothing(
         assert not await lock_held(db, job)
 
 
+async def test_a_commit_the_server_refuses_is_a_sure_failure(
+    start_app: StartApp, client: Any, db: asyncpg.Connection
+) -> None:
+    """A deferred constraint refused at COMMIT: the server answered, nothing landed, so the
+    answer is the plain job failure (no `commit: unknown`)."""
+    instance = await start_app("refused", cron_jobs="tests.jobs,tests.commit_jobs")
+    r = await post(client, instance.url + "/cron/commit-refused")
+    assert r.status_code == 500
+    assert r.json() == {
+        "error": "job failed",
+        "job": "commit-refused",
+        "run_id": r.json()["run_id"],
+    }
+    [row] = await runs(db, "commit-refused")
+    assert row["status"] == "failed"
+    assert "commit failed" in row["error"]
+    assert await effects(db, "commit-refused") == 0
+
+
+async def test_a_commit_cut_off_midway_is_answered_commit_unknown(
+    start_app: StartApp, client: Any, db: asyncpg.Connection
+) -> None:
+    """The COMMIT outlasts DB_QUERY_TIMEOUT (a deferred trigger sleeping in it): the runner
+    closes the connection mid-commit and cannot know whether it landed, and says so. The
+    server, finding its client gone, rolls back; the run's row then says `failed`."""
+    instance = await start_app(
+        "cut-off", cron_jobs="tests.jobs,tests.commit_jobs", db_query_timeout=0.5
+    )
+    r = await post(client, instance.url + "/cron/slow-commit", json={"seconds": 3})
+    assert r.status_code == 500
+    body = r.json()
+    assert body == {
+        "error": "job failed",
+        "job": "slow-commit",
+        "run_id": body["run_id"],
+        "commit": "unknown",
+    }
+    assert "Traceback" not in r.text
+
+    async def recorded() -> bool:
+        return [row["status"] for row in await runs(db, "slow-commit")] == ["failed"]
+
+    await wait_for(recorded, 10, "the run recorded failed")
+    assert await effects(db, "slow-commit") == 0
+    assert not await lock_held(db, "slow-commit")
+
+
 async def test_session_state_a_job_leaves_is_cleared_with_its_commit(
     start_app: StartApp, client: Any, db: asyncpg.Connection
 ) -> None:

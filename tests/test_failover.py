@@ -492,6 +492,7 @@ async def test_a_commit_whose_wait_for_the_synchronous_standby_is_terminated_is_
         answer = await running
         assert answer.status_code == 500, answer.text
         assert answer.json()["error"] == "job failed"
+        assert answer.json()["commit"] == "unknown"
         run_id = answer.json()["run_id"]
         # Committed locally: the old primary has the run succeeded and its effect.
         status = "SELECT status, slot FROM cronlock.runs WHERE id = $1"
