@@ -136,7 +136,9 @@ async def catch_up(runner: Runner) -> list[Outcome]:
                         extra={"job": job.name, "slot": slot.isoformat()},
                     )
                     try:
-                        outcome = await runner.trigger(job, slot=slot, source="catch-up")
+                        outcome = await runner.trigger(
+                            job, slot=slot, source="catch-up", first_attempt=True
+                        )
                     except InvalidTrigger as exc:
                         log.warning("cannot catch up %s: %s", job.name, exc.args[0])
                         continue

@@ -97,6 +97,7 @@ class LeaseRunner:
         *,
         takeover_only: bool = False,
         retry_of: ledger.Run | None = None,
+        first_attempt: bool = False,
     ) -> Outcome | None:
         """Decide under the (job, key)'s lock, then start the run in the background.
 
@@ -142,7 +143,7 @@ class LeaseRunner:
                         if takeover_only:
                             return None
                         skip, slot = await runner.decide_slot(
-                            conn, job, key, trigger, backfill, now
+                            conn, job, key, trigger, backfill, now, first_attempt=first_attempt
                         )
                         if skip is not None:
                             return runner.skip(job, skip, slot, trigger, source, key)

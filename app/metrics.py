@@ -34,7 +34,14 @@ __all__ = ["CONTENT_TYPE", "Metrics"]
 
 # Finished runs; "accepted" (wait=false) is not one: the same run reports its end later.
 FINISHED = ("succeeded", "failed", "timed_out", "cancelled", "lease_lost")
-SKIP_REASONS = ("already running", "already done", "too late", "paused", "already retried")
+SKIP_REASONS = (
+    "already running",
+    "already done",
+    "already attempted",
+    "too late",
+    "paused",
+    "already retried",
+)
 
 # From a quick statement to the longest timeout worth having (an hour).
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)

@@ -45,7 +45,7 @@ log = logging.getLogger("cronlock.run")
 
 
 # Skips answered many times a slot by design; DEBUG with LOG_SKIPS=false (see `Runner.log_outcome`).
-ROUTINE_SKIPS = ("already running", "already done")
+ROUTINE_SKIPS = ("already running", "already done", "already attempted")
 
 
 @dataclass
@@ -108,9 +108,12 @@ class Runner:
         wait: bool = True,
         source: str = "http",
         retry_of: ledger.Run | None = None,
+        first_attempt: bool = False,
     ) -> Outcome:
         """Run `job` if it is not running anywhere and its slot is not done yet. `retry_of`:
-        this run is the next attempt at that failed one, for its slot (app/retries.py)."""
+        this run is the next attempt at that failed one, for its slot (app/retries.py).
+        `first_attempt` (the built-in scheduler, catch-up): only if no attempt at the slot
+        exists, checked under the lock; a failed one is the retries' business."""
         trigger: Trigger = "manual" if force else "backfill" if slot is not None else "scheduled"
         if slot is not None:
             self._check_backfill_slot(job, slot, force)
@@ -128,13 +131,22 @@ class Runner:
                     return skipped
             if job.lease is not None:
                 started = await self.leases.start(
-                    job, key, trigger, slot, params, source, retry_of=retry_of
+                    job,
+                    key,
+                    trigger,
+                    slot,
+                    params,
+                    source,
+                    retry_of=retry_of,
+                    first_attempt=first_attempt,
                 )
                 assert started is not None
                 # An accepted run is the lease runner's now: it clears `local` at its end.
                 handed_off = started.kind == "accepted"
                 return started
-            lease_or_skip = await self._acquire(job, key, trigger, slot, params, source, retry_of)
+            lease_or_skip = await self._acquire(
+                job, key, trigger, slot, params, source, retry_of, first_attempt
+            )
             if isinstance(lease_or_skip, Outcome):
                 return lease_or_skip
             lease = lease_or_skip
@@ -246,6 +258,7 @@ class Runner:
         params: Any,
         source: str,
         retry_of: ledger.Run | None = None,
+        first_attempt: bool = False,
     ) -> _Lease | Outcome:
         await self.db.ensure_ready()
         try:
@@ -284,7 +297,9 @@ class Runner:
                     conn, self.settings.db_schema, retry_of.id
                 ):
                     return self.skip(job, "already retried", backfill, trigger, source, key)
-                skip, slot = await self.decide_slot(conn, job, key, trigger, backfill, now)
+                skip, slot = await self.decide_slot(
+                    conn, job, key, trigger, backfill, now, first_attempt=first_attempt
+                )
             if skip is not None:
                 return self.skip(job, skip, slot, trigger, source, key)
             async with self.db.connection() as other:
@@ -338,6 +353,8 @@ class Runner:
         trigger: Trigger,
         backfill: datetime | None,
         now: datetime,
+        *,
+        first_attempt: bool = False,
     ) -> tuple[str | None, datetime | None]:
         """The slot this run is for, and the reason to skip it, if any."""
         # Under the lock too: a pause committed since the probe still stops the run (lease
@@ -361,6 +378,12 @@ class Runner:
                 return None, slot
         if await ledger.already_done(conn, self.settings.db_schema, job.name, slot, key):
             return "already done", slot
+        # The built-in scheduler ticks on every instance: one whose tick comes after another's
+        # attempt failed (and freed the lock) must not make a second first attempt.
+        if first_attempt and await ledger.slot_attempted(
+            conn, self.settings.db_schema, job.name, slot
+        ):
+            return "already attempted", slot
         late = job.max_lateness is not None and now - slot > timedelta(seconds=job.max_lateness)
         if trigger == "scheduled" and late:
             return "too late", slot

@@ -13,11 +13,13 @@ right after the slot, not before it (which would land in the previous, done slot
 Each trigger waits a random jitter after its slot (SCHEDULER_JITTER, at most a quarter of the
 job's interval), so the instances do not all reach the database in the same millisecond.
 
-A trigger answered "already running" while nobody has attempted its slot (another slot's run
-holds the job's lock: a catch-up, a backfill, a manual run) tries again, briefly, until the
-next tick; once any attempt for the slot exists, what happens to it is that attempt's (and the
-retries', app/retries.py) business. A slot no instance triggered (all down, a stalled loop) is
-the missed-slot policy's (app/catchup.py).
+A trigger runs its slot only if nobody attempted it yet, checked under the job's lock (the
+runner's `first_attempt`): an instance whose tick comes after another's attempt failed skips
+it as "already attempted", so a failed attempt is the retries' business (app/retries.py), not
+one more attempt per instance. A trigger answered "already running" while nobody has attempted
+its slot (another slot's run holds the job's lock: a long previous run, a catch-up, a backfill,
+a manual run) tries again until shortly before the next tick. A slot no instance triggered
+(all down, a stalled loop) is the missed-slot policy's (app/catchup.py).
 
 Keyed jobs are not ticked: a trigger carries its key, which only the job's operator knows.
 """
@@ -154,7 +156,7 @@ class Scheduler:
         while True:
             outcome: Outcome | None = None
             try:
-                outcome = await self.runner.trigger(job, source="scheduler")
+                outcome = await self.runner.trigger(job, source="scheduler", first_attempt=True)
             except DatabaseUnavailable as exc:
                 log.warning("scheduler: %s not triggered: %s", job.name, exc.reason)
             except InvalidTrigger as exc:  # cannot happen without params; never retried
