@@ -9,6 +9,8 @@ Ticks follow the database's clock, the one the slot check uses: the offset betwe
 instance's clock and the database's is measured (the midpoint of a round trip, best of a few)
 and every wait is corrected by it, so an instance whose clock is off by seconds still triggers
 right after the slot, not before it (which would land in the previous, done slot) or late.
+Waits run on the monotonic clock in steps (`Clock.sleep_until`), so a clock stepped by NTP or
+drifting over a day's wait is followed.
 
 Each trigger waits a random jitter after its slot (SCHEDULER_JITTER, at most a quarter of the
 job's interval), so the instances do not all reach the database in the same millisecond.
@@ -47,34 +49,50 @@ CLOCK_SQL = "SELECT clock_timestamp()"
 # "already running" with the slot not attempted: first retry after this, doubling to the max.
 BUSY_RETRY = 0.05
 BUSY_RETRY_MAX = 1.0
+# The shortest step of a wait for a tick (Clock.sleep_until).
+WAIT_STEP = 1.0
 
 
 class Clock:
-    """The database's clock as seen from here: this instance's `time.time()` plus `offset`."""
+    """The database's clock as seen from here: this instance's monotonic clock plus `base`.
+
+    Monotonic, because waits run on it (asyncio's) and no NTP step moves it; its drift is
+    corrected at each measurement. `offset` is the database's clock minus this instance's wall
+    clock, for the metric and for people."""
 
     def __init__(self) -> None:
-        self.offset = 0.0  # seconds to add to the local clock
+        self.base = time.time() - time.monotonic()  # until measured: the wall clock
+        self.offset = 0.0
         self.round_trip: float | None = None  # of the sample kept, seconds
 
     def now(self) -> datetime:
-        return datetime.fromtimestamp(time.time() + self.offset, UTC)
+        return datetime.fromtimestamp(time.monotonic() + self.base, UTC)
 
     def local_delay(self, at: datetime) -> float:
         """Seconds to wait here until the database's clock reads `at`."""
-        return at.timestamp() - (time.time() + self.offset)
+        return at.timestamp() - (time.monotonic() + self.base)
+
+    async def sleep_until(self, at: datetime) -> None:
+        """Until the database's clock reads `at`, as measured when each step ends: steps halve
+        the time left (down to WAIT_STEP), so a clock re-measured meanwhile, or one that drifted
+        over a long wait, is followed rather than a wait computed once being trusted."""
+        while (left := self.local_delay(at)) > 0:  # noqa: ASYNC110 - waits on a clock
+            await asyncio.sleep(min(left, max(WAIT_STEP, left / 2)))
 
     async def measure(self, runner: Runner) -> None:
-        best: tuple[float, float] | None = None
+        best: tuple[float, float, float] | None = None
         async with runner.db.connection() as conn:
             for _ in range(CLOCK_SAMPLES):
-                before = time.time()
+                wall, before = time.time(), time.monotonic()
                 db_now: datetime = await conn.fetchval(CLOCK_SQL)
-                after = time.time()
-                sample = (after - before, db_now.timestamp() - (before + after) / 2)
+                after = time.monotonic()
+                mid = (before + after) / 2
+                db = db_now.timestamp()
+                sample = (after - before, db - mid, db - (wall + (after - before) / 2))
                 if best is None or sample[0] < best[0]:
                     best = sample
         assert best is not None
-        self.round_trip, self.offset = best
+        self.round_trip, self.base, self.offset = best
         if runner.metrics is not None:
             runner.metrics.clock_offset.set(self.offset)
 
@@ -135,9 +153,7 @@ class Scheduler:
         slot = job.schedule.next_tick(self.clock.now())
         while not stop.is_set():
             delay = self.rng.uniform(0, jitter_bound(job, slot, self.settings.scheduler_jitter))
-            wait = self.clock.local_delay(slot + timedelta(seconds=delay))
-            if wait > 0:
-                await asyncio.sleep(wait)
+            await self.clock.sleep_until(slot + timedelta(seconds=delay))
             task = asyncio.create_task(self._fire(job, slot), name=f"tick:{job.name}")
             self.fired.add(task)
             task.add_done_callback(self.fired.discard)

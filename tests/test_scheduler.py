@@ -113,8 +113,35 @@ async def test_clock_offset_is_measured_and_corrected(
         async with db.connection() as conn:
             db_now = await conn.fetchval("SELECT clock_timestamp()")
         assert abs((clock.now() - db_now).total_seconds()) < 0.5
+        # The wall clock stepped back by NTP after the measurement: the database's time as
+        # seen from here does not move (waits run on the monotonic clock).
+        monkeypatch.setattr("app.scheduler.time.time", real)
+        async with db.connection() as conn:
+            db_now = await conn.fetchval("SELECT clock_timestamp()")
+        assert abs((clock.now() - db_now).total_seconds()) < 0.5
     finally:
         await db.close()
+
+
+async def test_a_wait_for_a_tick_follows_the_clock_measured_meanwhile() -> None:
+    """A wait of 3 s; 0.3 s in, a measurement finds the database's clock 2 s further on than
+    thought (drift over a long wait, a corrected offset): the tick fires after its first step
+    (1.5 s), not after the 3 s computed at the start, which would land past the slot; nor
+    before the database's clock reads it."""
+    clock = Clock()
+    start = time.monotonic()
+    at = clock.now() + timedelta(seconds=3)
+
+    async def remeasured() -> None:
+        await asyncio.sleep(0.3)
+        clock.base += 2.0
+
+    shift = asyncio.create_task(remeasured())
+    await clock.sleep_until(at)
+    elapsed = time.monotonic() - start
+    await shift
+    assert clock.local_delay(at) <= 0
+    assert 0.9 < elapsed < 2.0, elapsed
 
 
 def test_jitter_is_at_most_a_quarter_of_the_interval(
