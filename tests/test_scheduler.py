@@ -209,6 +209,43 @@ async def test_missed_policies_all_and_latest(
     assert [o.slot for o in outcomes if o.job == "tick"] == tick  # oldest first
 
 
+async def test_missed_all_says_where_its_look_back_stopped(
+    make_settings: Callable[..., Settings],
+    db: asyncpg.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`all` looks MAX_ALL_TICKS ticks back from the due slot (3 here): with more slots missed
+    than that, it runs the 3 latest and warns that those before the oldest it looked at are not
+    run, naming that tick; with fewer missed, no warning."""
+    from app import catchup
+
+    monkeypatch.setattr(catchup, "MAX_ALL_TICKS", 3)
+    settings = make_settings(cron_jobs="tests.own_jobs")
+    database = Database(settings)
+    await database.open()
+    try:
+        await database.check(apply_migrations=False)
+        runner = Runner(settings, load(settings.job_modules), database)
+        now: datetime = await db.fetchval("SELECT date_trunc('second', now())")
+        await db.execute(
+            "INSERT INTO cronlock.runs (job, slot, status, trigger, instance, started_at)"
+            " VALUES ('tick', $1, 'succeeded', 'scheduled', 'gone', $1)",
+            now - timedelta(seconds=12),
+        )
+        with caplog.at_level("WARNING", logger="cronlock.catchup"):
+            outcomes = await catchup.catch_up(runner)
+            ran = sorted(o.slot for o in outcomes if o.job == "tick" and o.slot is not None)
+            assert len(ran) == 3
+            [warning] = [r for r in caplog.records if "looks 3 ticks back" in r.getMessage()]
+            assert ran[0].isoformat() in warning.getMessage()
+            caplog.clear()
+            await catchup.catch_up(runner)  # the 3 latest attempted now: nothing more seen
+            assert not [r for r in caplog.records if "ticks back" in r.getMessage()]
+    finally:
+        await database.close()
+
+
 def test_missed_policy_declarations() -> None:
     from app.errors import JobDefinitionError
     from app.jobs import Job, JobContext, job
