@@ -267,6 +267,12 @@ def job(
         raise JobDefinitionError(f"job {name!r}: {exc}") from exc
     policy = _missed_policy(name, missed, catch_up, parsed is not None)
     catch_up = policy != "none"
+    if catch_up and max_lateness is not None and max_lateness < grace:
+        # A slot is missed once its grace has passed, and then already later than this.
+        raise JobDefinitionError(
+            f"job {name!r}: missed={policy!r} could never run a slot: a missed slot is at least "
+            f"grace ({grace} s) late, more than max_lateness ({max_lateness} s) allows"
+        )
     if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
         raise JobDefinitionError(f"job {name!r}: retries must be a whole number from 0 to 100")
     if not retry_delay > 0:

@@ -259,6 +259,9 @@ def test_missed_policy_declarations() -> None:
         job("bad-policy", every=5, missed="some")(noop)  # type: ignore[arg-type]
     with pytest.raises(JobDefinitionError, match="needs a schedule"):
         job("no-schedule-policy", missed="all")(noop)
+    with pytest.raises(JobDefinitionError, match="could never run a slot"):
+        job("late-policy", every=60, missed="latest", max_lateness=120)(noop)  # grace 300
+    job("late-enough", every=60, missed="all", max_lateness=300)(noop)
     job("legacy-catch-up-no-schedule", catch_up=True)(noop)  # accepted (and ignored) as before
     # Old configurations: catch_up=True is "latest"; a Job built by hand too.
     assert Job("x", noop, catch_up=True).missed_policy == "latest"
