@@ -411,8 +411,9 @@ class Schedule:
 
         That is prev_tick(now), unless next_tick(now) is at most `early_tolerance` seconds away:
         a trigger that fires slightly early because of clock skew counts for the coming tick. The
-        tolerance is capped at half the gap between the two ticks, so a trigger always lands in the
-        slot it is nearest to and a late trigger for one tick is never taken for the next.
+        tolerance is capped at half the gap between the two ticks, so a trigger never lands in a
+        slot further away than the other one; a trigger later than the tolerance before the next
+        tick (half an interval, at most) counts for that next tick.
         """
         _require_aware(now)
         window = self._window
