@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, PlainSerializer, ValidationError
 
-from app import ledger
+from app import ledger, pause
 from app.db import Conn
 from app.errors import DATABASE_ERRORS, InvalidTrigger, describe
 from app.jobs import Job, Registry
@@ -120,9 +120,15 @@ def view(v: Verdict, job: Job) -> RetryView:
     )
 
 
-async def retry_once(runner: Runner) -> list[Outcome]:
-    """Run every due retry once (from this instance); what `retry_loop` does each pass."""
+async def retry_once(runner: Runner, refused: set[int] | None = None) -> list[Outcome]:
+    """Run every due retry once (from this instance); what `retry_loop` does each pass.
+
+    `refused` (kept by the loop across passes): failed runs whose retry cannot be made (its
+    params no longer validate, its slot is no tick of the schedule any more), said once, not
+    at every pass for as long as the backfill window lasts. A paused job's retries wait,
+    silently: the pause is checked again under the lock when they are made."""
     settings, registry = runner.settings, runner.registry
+    refused = set() if refused is None else refused
     await runner.db.ensure_ready()
     async with runner.db.connection() as conn:
         # Rows of instances that died are `running` until swept: then they can be retried.
@@ -130,14 +136,19 @@ async def retry_once(runner: Runner) -> list[Outcome]:
             await ledger.close_abandoned(conn, settings.db_schema, settings.lock_namespace)
         now: datetime = await conn.fetchval("SELECT now()")
         found = await pending(conn, registry, now, settings.backfill_window)
+        paused = await pause.active(conn, settings.db_schema) if found else {}
     outcomes: list[Outcome] = []
     for name, verdicts in found.items():
         job = registry[name]
+        if name in paused:
+            continue
         for v in verdicts:
-            if v.why != "due":
+            if v.why != "due" or v.failed.id in refused:
                 continue
             outcome = await run(runner, job, v.failed)
-            if outcome is not None:
+            if outcome is None:
+                refused.add(v.failed.id)
+            else:
                 outcomes.append(outcome)
     return outcomes
 
@@ -173,10 +184,11 @@ async def run(runner: Runner, job: Job, failed: ledger.Run) -> Outcome | None:
 async def retry_loop(runner: Runner, stop: asyncio.Event) -> None:
     """`retry_once` in the background of a service instance, every RETRY_POLL_INTERVAL s."""
     interval = runner.settings.retry_poll_interval
+    refused: set[int] = set()
     while not stop.is_set():
         if runner.db.migrated:
             try:
-                await retry_once(runner)
+                await retry_once(runner, refused)
             except DATABASE_ERRORS as exc:
                 log.warning("retries skipped: %s", describe(exc))
             except Exception:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
+import pytest
 
 from app.settings import Settings
 from tests.support.asgi import StartApp
@@ -142,6 +144,53 @@ async def test_the_same_retry_is_made_once(
         assert (second.kind, second.reason) == ("skipped", "already retried")
         rows = await ledger.list_runs(db, "cronlock", job="always-fails")
         assert sorted(r.attempt for r in rows) == [1, 2]
+    finally:
+        await database.close()
+
+
+async def test_a_retry_that_cannot_be_made_is_said_once_and_a_paused_jobs_retries_wait(
+    make_settings: Callable[..., Settings],
+    db: asyncpg.Connection,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A failed run whose slot is no tick of the schedule any more (it changed in a deploy):
+    its retry is refused, and said once, not at every pass of the loop. A paused job's due
+    retry waits without a word (and without an outcome) at every pass."""
+    from app import pause, retries
+    from app.db import Database
+    from app.jobs import load
+    from app.runner import Runner
+
+    settings = make_settings(cron_jobs="tests.own_jobs")
+    database = Database(settings)
+    await database.open()
+    try:
+        await database.check(apply_migrations=False)
+        runner = Runner(settings, load(settings.job_modules), database)
+        schedule = runner.registry["always-fails"].schedule
+        assert schedule is not None
+        now = await db.fetchval("SELECT now()")
+        seed = (
+            "INSERT INTO cronlock.runs (job, slot, status, trigger, instance, started_at,"
+            " finished_at) VALUES ('always-fails', $1, 'failed', 'scheduled', 'gone',"
+            " now() - interval '1 minute', now() - interval '1 minute') RETURNING id"
+        )
+        stale = await db.fetchval(seed, schedule.prev_tick(now) - timedelta(minutes=30))
+        refused: set[int] = set()
+        with caplog.at_level("INFO", logger="cronlock"):
+            assert await retries.retry_once(runner, refused) == []
+            assert await retries.retry_once(runner, refused) == []
+        said = [r for r in caplog.records if f"cannot retry run {stale}" in r.getMessage()]
+        assert len(said) == 1
+        assert refused == {stale}
+        await db.execute("DELETE FROM cronlock.runs")
+        await db.fetchval(seed, schedule.prev_tick(now))
+        await pause.pause(db, "cronlock", "always-fails", by="test")
+        caplog.clear()
+        with caplog.at_level("INFO", logger="cronlock"):
+            assert await retries.retry_once(runner, refused) == []
+        assert not [r for r in caplog.records if "always-fails" in r.getMessage()]
+        assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 1
     finally:
         await database.close()
 
