@@ -439,6 +439,9 @@ def _micros(at: datetime) -> int:
     return (delta.days * 86400 + delta.seconds) * _US + delta.microseconds
 
 
+MAX_EVERY = 366 * 86400
+
+
 @dataclass(frozen=True)
 class Interval:
     """Ticks every `every` seconds (a whole number, at least 1), at the multiples of `every`
@@ -453,6 +456,9 @@ class Interval:
             raise ScheduleError(
                 f"every= must be a whole number of seconds, at least 1: {self.every!r}"
             )
+        if self.every > MAX_EVERY:
+            # Beyond it the ticks leave the calendar datetime can hold (years 1-9999).
+            raise ScheduleError(f"every= is at most {MAX_EVERY} s (a year): {self.every!r}")
 
     @classmethod
     def parse(cls, every: float) -> Interval:

@@ -148,6 +148,17 @@ class Scheduler:
                 await asyncio.wait(set(self.fired), timeout=self.settings.graceful_shutdown_timeout)
 
     async def _tick(self, job: Job, stop: asyncio.Event) -> None:
+        """Tick `job` until `stop`; a fault of the ticker is logged and it starts again (a
+        ticker that ended would leave the job to the missed-slot policy alone, unnoticed)."""
+        while not stop.is_set():
+            try:
+                await self._ticks(job, stop)
+            except Exception:
+                log.exception("scheduler: the ticker of %s failed; it starts again", job.name)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+
+    async def _ticks(self, job: Job, stop: asyncio.Event) -> None:
         assert job.schedule is not None
         await self.measured.wait()
         slot = job.schedule.next_tick(self.clock.now())

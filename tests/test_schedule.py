@@ -484,6 +484,12 @@ def test_interval_ticks_are_multiples_from_the_unix_epoch() -> None:
     assert Interval.parse(30.0) == every
     assert every.expr == "every 30s"
     assert every.tz == "UTC"
+    # At most a year: beyond, ticks leave what datetime holds (an OverflowError at the first
+    # tick, in the scheduler's loop, rather than a refused declaration).
+    year = Interval.parse(366 * 86400)
+    assert year.next_tick(utc(2026, 6, 1)) > utc(2026, 6, 1)
+    with pytest.raises(ScheduleError, match="at most"):
+        Interval.parse(10**12)
 
 
 def test_interval_slot_for_caps_the_early_tolerance_at_half_the_interval() -> None:

@@ -9,6 +9,7 @@ import itertools
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 import pytest
@@ -87,6 +88,37 @@ async def test_a_failed_attempt_is_not_made_again_by_another_instances_tick(
     assert set(attempts.values()) == {1}, attempts
     statuses = await db.fetch("SELECT DISTINCT status, attempt FROM cronlock.runs")
     assert [(r["status"], r["attempt"]) for r in statuses] == [("failed", 1)]
+
+
+async def test_a_ticker_that_fails_is_logged_and_starts_again(
+    start_app: StartApp, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault inside the `tick` job's ticker (here its first jitter): logged with the job's
+    name, and the ticker starts again, so the job goes on being ticked."""
+    from app import scheduler
+
+    real = scheduler.jitter_bound
+    faults: list[datetime] = []
+
+    def faulty(job: Any, slot: datetime, jitter: float) -> float:
+        if job.name == "tick" and not faults:
+            faults.append(slot)
+            raise RuntimeError("a fault of the ticker")
+        return real(job, slot, jitter)
+
+    monkeypatch.setattr(scheduler, "jitter_bound", faulty)
+    app = await start_app(
+        "a", cron_jobs="tests.own_jobs", scheduler_enabled=True, scheduler_jitter=0.1
+    )
+
+    async def ticked_twice() -> bool:
+        found = await succeeded_slots(db, "tick")
+        return sum(1 for _, source in found if source == "scheduler") >= 2
+
+    await wait_for(ticked_twice, 10, "two ticks after the fault")
+    assert faults
+    assert "the ticker of tick failed; it starts again" in app.log()
+    assert "a fault of the ticker" in app.log()
 
 
 async def test_clock_offset_is_measured_and_corrected(
