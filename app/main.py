@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings = settings or Settings()
         settings.check_secrets()
         settings.check_email()
+        settings.check_retention()
         registry = load(settings.job_modules, settings.lock_namespace, settings.db_schema)
         alerts.check(registry, settings)
         registry.check_leases(settings.db_query_timeout, settings.lease_margin)

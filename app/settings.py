@@ -246,6 +246,16 @@ class Settings(BaseSettings):
             if len(token) < MIN_SECRET_LENGTH:
                 raise SettingsError(f"{name} is shorter than {MIN_SECRET_LENGTH} characters")
 
+    def check_retention(self) -> None:
+        """The ledger must outlive the backfill window: a slot whose succeeded row was pruned
+        could be backfilled (?slot=, a missed-slot policy) and run a second time."""
+        if self.ledger_retention_days * 86400 < self.backfill_window:
+            raise SettingsError(
+                f"LEDGER_RETENTION_DAYS ({self.ledger_retention_days:g} days) is shorter than "
+                f"BACKFILL_WINDOW ({self.backfill_window:g} s): a slot whose run was pruned "
+                "could be backfilled and run again; keep the ledger at least that long"
+            )
+
     def check_email(self) -> None:
         """An HTTP backend without a key would fail every send; say so at start-up instead."""
         if self.outbox_enabled and self.email_backend == "http" and self.email_api_key is None:

@@ -234,6 +234,7 @@ async def test_an_application_database_is_left_exactly_as_it_was(
         "OUTBOX_RATE_LIMIT": "0",
         "OUTBOX_POLL_INTERVAL": "0.2",
         "LEDGER_RETENTION_DAYS": "0.00001",
+        "BACKFILL_WINDOW": "0.5",  # the ledger must outlive it
     }
     instances = start_instances(["app0", "app1"], env, ready_path="/readyz")
     async with httpx.AsyncClient(timeout=30) as client:

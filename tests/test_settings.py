@@ -72,3 +72,12 @@ def test_http_email_backend_needs_a_key() -> None:
         settings(cron_secret=GOOD, email_backend="http").check_email()
     settings(cron_secret=GOOD, email_backend="http", outbox_enabled=False).check_email()
     settings(cron_secret=GOOD, email_backend="http", email_api_key="k").check_email()
+
+
+def test_the_ledger_must_outlive_the_backfill_window() -> None:
+    with pytest.raises(SettingsError, match="shorter than BACKFILL_WINDOW"):
+        settings(
+            cron_secret=GOOD, ledger_retention_days=1, backfill_window=2 * 86400
+        ).check_retention()
+    settings(cron_secret=GOOD, ledger_retention_days=2, backfill_window=2 * 86400).check_retention()
+    settings(cron_secret=GOOD).check_retention()  # the defaults: 90 days against 7
