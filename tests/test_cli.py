@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from app import cli
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
+from tests.support.postgres import PostgresServer, create_database, drop_database, unique_name
 from tests.support.ui import csrf_of
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
@@ -327,6 +328,114 @@ async def test_bad_values_the_commands_see_later_are_exit_2_too(
 
     with pytest.raises(InvalidInput, match="SQLSTATE 22000"):
         await refused()
+
+
+# --- configuration and output errors: one line, never a traceback -------------------------------
+
+# (DATABASE_URL, what the message says): each names DATABASE_URL and never echoes the URL.
+BAD_DATABASE_URLS: list[tuple[str, str]] = [
+    ("postgresql://u:hunter2@127.0.0.1:abc/x", "is not a URL"),
+    ("postgres://hunter2@[bad", "is not a URL"),
+    ("hunter2", "must start with postgresql://"),
+    ("postgresql://u:hunter2@127.0.0.1:70000/x", "port outside 1-65535"),
+    ("postgresql://u:hunter2@127.0.0.1/x\udcff", "not UTF-8"),  # a non-UTF-8 byte
+    ("postgresql://u:hunter2@127.0.0.1/x\n", "control character"),
+    ("postgresql://u:hunter2@127.0.0.1:9/x?sslmode=bogus", "parameter the driver refuses"),
+]
+
+
+@pytest.mark.slow  # starts processes (the CLI): not in --fast
+def test_a_bad_database_url_is_configuration(cli_env: dict[str, str]) -> None:
+    for url, message in BAD_DATABASE_URLS:
+        done = run_process({**cli_env, "DATABASE_URL": url}, "jobs")
+        assert done.returncode == 2, (url, done.stderr)
+        assert "DATABASE_URL" in done.stderr, (url, done.stderr)
+        assert message in done.stderr, (url, done.stderr)
+        assert "hunter2" not in done.stderr
+        assert "Traceback" not in done.stderr
+        assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_settings_that_cannot_be_read_are_exit_2(cli_env: dict[str, str], tmp_path: Path) -> None:
+    (tmp_path / ".env").write_bytes(b"CRON_JOBS=\xff\n")
+    done = run_process(cli_env, "jobs")
+    assert (done.returncode, done.stderr.strip()) == (
+        2,
+        "cronlock: cannot read .env: not UTF-8 (byte 11)",
+    )
+    (tmp_path / ".env").unlink()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"\xff" * 40)
+    for env, message in (
+        ({"CRON_SECRET_FILE": str(secret)}, "is not UTF-8 text"),
+        ({"CRON_SECRET": "\udcff" * 40}, "CRON_SECRET: Value error, must be printable ASCII"),
+        ({"CRON_SECRET": "é" * 40}, "CRON_SECRET: Value error, must be printable ASCII"),
+    ):
+        done = run_process({**cli_env, **env}, "trigger", "fast", "--url", "http://127.0.0.1:9")
+        assert done.returncode == 2, (env, done.stderr)
+        assert message in done.stderr, (env, done.stderr)
+        assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_output_that_cannot_be_written(cli_env: dict[str, str]) -> None:
+    args = [sys.executable, "-m", "app", "schedule", "export", "--format", "crontab"]
+    env = {**os.environ, **cli_env, "PYTHONPATH": str(REPO)}
+    # A full disk: the file's error, exit 1, not the database's (exit 3).
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(args, env=env, stdout=full, stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == "cronlock: cannot write output: No space left on device\n"
+    # A reader that went away (`| head`): quiet, as any pipe producer.
+    with subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        assert p.stdout is not None
+        assert p.stderr is not None
+        p.stdout.close()
+        err = p.stderr.read()
+    assert (p.returncode, err) == (1, b"")
+
+
+@pytest.fixture
+async def unmigrated_url(pg_server: PostgresServer) -> AsyncIterator[str]:
+    """An empty database (not migrated), dropped afterwards."""
+    name = unique_name("cli_empty")
+    admin = pg_server.dsn("postgres")
+    await create_database(admin, name)
+    try:
+        yield pg_server.dsn(name)
+    finally:
+        await drop_database(admin, name)
+
+
+async def test_run_and_catch_up_never_migrate(
+    cli_env: dict[str, str], unmigrated_url: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Like `jobs`, they refuse a database not migrated (migrations are `migrate`'s), even
+    with MIGRATE_ON_START left on (the service's setting)."""
+    monkeypatch.setenv("DATABASE_URL", unmigrated_url)
+    monkeypatch.setenv("MIGRATE_ON_START", "true")
+    for args in (["run", "fast"], ["catch-up"], ["jobs"]):
+        result = await run_cli(capsys, *args)
+        assert result.code == 3, (args, result.err)
+        assert "migrations not applied" in result.err, (args, result.err)
+        assert "(python -m app migrate)" in result.err
+    conn = await asyncpg.connect(unmigrated_url)
+    try:
+        assert await conn.fetchval("SELECT to_regnamespace('cronlock')") is None
+    finally:
+        await conn.close()
+
+
+async def test_run_loads_jobs_as_the_other_commands(
+    cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CRON_JOBS", "no.such.module")
+    for args in (["run", "fast"], ["jobs"]):
+        result = await run_cli(capsys, *args)
+        assert result.code == 2, (args, result.err)
+        assert "cannot import 'no.such.module'" in result.err
 
 
 # --- trigger ----------------------------------------------------------------------------------
