@@ -133,7 +133,8 @@ def _translated() -> Iterator[None]:
 JOB_NAME_MAX = 100
 ID = inputs.int_range(1, inputs.BIGINT_MAX)
 PARAMS = inputs.text(1_000_000)
-OPTION = inputs.text(2000)
+# One line: options go into files of lines (a crontab) and HTTP query strings.
+OPTION = inputs.line(2000)
 # A keyed job's key as its canonical text (app/jobs.py MAX_KEY_LENGTH).
 KEY = inputs.text(200)
 
@@ -152,9 +153,7 @@ def job_name(text: str) -> str:
 def service_url(text: str) -> str:
     import httpx
 
-    problem = inputs.text_problem(text)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
+    inputs.line(2000)(text)
     try:
         url = httpx.URL(text)
     except (httpx.InvalidURL, TypeError, ValueError):

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.inputs import text_problem
+from app.inputs import has_control, text_problem
 from app.primary import split_hosts
 from app.schema import check_name
 
@@ -293,7 +293,7 @@ def read_secret_file(path: Path) -> str:
 def database_url_problem(url: str) -> str | None:
     """Why a DATABASE_URL cannot be one, or None; never quoting it (it may hold a password)."""
     problem = text_problem(url)
-    if problem is None and any(c < " " or c == "\x7f" for c in url):
+    if problem is None and has_control(url):
         problem = "contains a control character"
     if problem is not None:
         return problem

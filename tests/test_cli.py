@@ -279,6 +279,12 @@ BAD_ARGUMENTS: list[tuple[list[str], str]] = [
     (["serve", "--port", "70000"], "--port: must be between 0 and 65535"),
     (["serve", "--demo-users", "-1"], "--demo-users"),
     (["schedule", "export", "--format", "crontab", "--image", "a\x00"], "--image: contains NUL"),
+    (
+        ["schedule", "export", "--format", "crontab", "--header-file", "/h\n* * * * * id #"],
+        "--header-file: contains a control character",
+    ),
+    (["schedule", "export", "--format", "crontab", "--url", "http://x/\r"], "--url: contains a"),
+    (["trigger", "fast", "--slot", "2026-01-01T00:00:00Z\n"], "--slot: contains a control"),
 ]
 
 
