@@ -492,7 +492,10 @@ def add_ops_commands(sub: Any) -> None:
         "--follow", action="store_true", help="with --no-wait: poll the run until it ends"
     )
     trigger.add_argument(
-        "--timeout", type=inputs.positive_seconds, default=3600.0, help="HTTP timeout, seconds"
+        "--timeout",
+        type=trigger_timeout,
+        default=3600.0,
+        help="HTTP timeout, seconds (--follow: also how long it retries a lost service)",
     )
     trigger.add_argument("--json", action="store_true", help="print the answer as JSON")
     trigger.set_defaults(handler=cmd_trigger)
@@ -803,7 +806,8 @@ async def cmd_locks(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
-# HTTP answers of `POST /cron/<job>` -> exit code.
+# HTTP answers of `POST /cron/<job>` -> exit code; any other 5xx is 3 (the service or what is
+# in front of it cannot serve), any other answer 2 (a 4xx: the request, the secret).
 TRIGGER_EXIT = {
     200: EXIT_OK,
     202: EXIT_OK,
@@ -811,6 +815,28 @@ TRIGGER_EXIT = {
     503: EXIT_UNAVAILABLE,
     504: EXIT_FAILED,
 }
+# A trigger waits for its job: an hour by default, some days at most (httpx cannot take more
+# than a few hundred years, and nobody means that).
+TRIGGER_TIMEOUT_MAX = 1_000_000
+# What `--follow` retries: the service restarting or a proxy without a backend for a moment.
+TRANSIENT_STATUS = (502, 503, 504)
+
+
+def trigger_timeout(text: str) -> float:
+    value = inputs.positive_seconds(text)
+    if value > TRIGGER_TIMEOUT_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {TRIGGER_TIMEOUT_MAX} seconds")
+    return value
+
+
+def trigger_exit(status: int) -> int:
+    if status in TRIGGER_EXIT:
+        return TRIGGER_EXIT[status]
+    return EXIT_UNAVAILABLE if status >= 500 else EXIT_USAGE
+
+
+class UnexpectedAnswer(Exception):
+    """An answer that is not the service's (a proxy's HTML page, a body of the wrong shape)."""
 
 
 def cmd_trigger(args: argparse.Namespace, settings: Settings) -> int:
@@ -837,20 +863,29 @@ def cmd_trigger(args: argparse.Namespace, settings: Settings) -> int:
                 f"{base}/cron/{args.job}", params=params, content=content, headers=headers
             )
             body = _json_or_text(answer)
-            code = TRIGGER_EXIT.get(answer.status_code, EXIT_USAGE)
-            if answer.status_code == 202 and args.follow:
-                run = _follow(client, base, headers, body["run_id"])
+            status = answer.status_code
+            code = trigger_exit(status)
+            if status == 202 and args.follow:
+                run_id = body.get("run_id") if isinstance(body, dict) else None
+                if not isinstance(run_id, int):
+                    raise UnexpectedAnswer("a 202 without a run id")
+                status, run = _follow(client, base, headers, run_id, args.timeout)
                 body = {"accepted": body, "run": run}
-                code = EXIT_OK if run.get("status") == "succeeded" else EXIT_FAILED
+                if status != 200:
+                    code = EXIT_UNAVAILABLE if status >= 500 else EXIT_USAGE
+                else:
+                    code = EXIT_OK if run.get("status") == "succeeded" else EXIT_FAILED
     except httpx.HTTPError as exc:
         return _fail(f"service unreachable at {base}: {exc}", EXIT_UNAVAILABLE)
+    except UnexpectedAnswer as exc:
+        return _fail(f"not the service's answer from {base}: {exc}", EXIT_UNAVAILABLE)
     if args.json:
         print(json.dumps(body))
     elif isinstance(body, dict):
-        prefix = f"HTTP {answer.status_code}"
+        prefix = f"HTTP {status}"
         print(prefix + " " + " ".join(f"{k}={v}" for k, v in body.items()))
     else:
-        print(f"HTTP {answer.status_code} {body}")
+        print(f"HTTP {status} {body}")
     return code
 
 
@@ -861,15 +896,34 @@ def _json_or_text(answer: Any) -> Any:
         return answer.text
 
 
-def _follow(client: Any, base: str, headers: dict[str, str], run_id: int) -> dict[str, Any]:
-    """Poll `GET /cron/runs/{id}` until the run has ended."""
+def _follow(
+    client: Any, base: str, headers: dict[str, str], run_id: int, bound: float
+) -> tuple[int, dict[str, Any]]:
+    """Poll `GET /cron/runs/{id}` until the run has ended: its last answer's status and body.
+    A lost connection or a 502/503/504 is retried until `bound` seconds without a good answer
+    (the service restarting must not end a run's follower while the run goes on)."""
     import time
 
+    import httpx
+
+    good = time.monotonic()
     while True:
-        answer = client.get(f"{base}/cron/runs/{run_id}", headers=headers)
-        run: dict[str, Any] = answer.json()
+        try:
+            answer = client.get(f"{base}/cron/runs/{run_id}", headers=headers)
+        except httpx.TransportError:
+            if time.monotonic() - good >= bound:
+                raise
+            time.sleep(0.5)
+            continue
+        if answer.status_code in TRANSIENT_STATUS and time.monotonic() - good < bound:
+            time.sleep(0.5)
+            continue
+        run = _json_or_text(answer)
+        if not isinstance(run, dict):
+            raise UnexpectedAnswer(f"HTTP {answer.status_code}, not a JSON object")
         if answer.status_code != 200 or run.get("status") != "running":
-            return run
+            return answer.status_code, run
+        good = time.monotonic()
         time.sleep(0.5)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import os
 import shutil
@@ -18,10 +19,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import asyncpg
 import httpx
@@ -272,6 +274,7 @@ BAD_ARGUMENTS: list[tuple[list[str], str]] = [
     (["cancel", "slow", "--wait", "nan"], "--wait: must be a finite, non-negative number"),
     (["cancel", "slow", "--wait", "-1"], "--wait"),
     (["trigger", "fast", "--timeout", "0"], "--timeout: must be more than 0 seconds"),
+    (["trigger", "fast", "--timeout", "1e10"], "--timeout: must be at most 1000000 seconds"),
     (["trigger", "fast", "--url", "localhost:8000"], "--url: not an http(s) URL"),
     (["trigger", "fast", "--params", "\udcff"], "--params: contains a lone surrogate"),
     (["outbox", "dead", "--limit", str(2**64)], "--limit: must be between 1 and"),
@@ -500,6 +503,92 @@ async def test_trigger_exit_codes(
     unreachable = await run_cli(capsys, "trigger", "fast", "--url", "http://127.0.0.1:9")
     assert unreachable.code == 3
     assert "service unreachable" in unreachable.err
+
+
+class Scripted(http.server.BaseHTTPRequestHandler):
+    """A fake service (or the proxy in front of one): each request gets the next scripted
+    answer, (status, content type, body); None closes the connection without one."""
+
+    answers: ClassVar[list[tuple[int, str, str] | None]] = []
+
+    def do_POST(self) -> None:
+        self.answer()
+
+    def do_GET(self) -> None:
+        self.answer()
+
+    def answer(self) -> None:
+        scripted = self.answers.pop(0)
+        if scripted is None:
+            self.close_connection = True
+            return
+        status, kind, body = scripted
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body.encode())))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[str, list[tuple[int, str, str] | None]]]:
+    """A fake service's URL and its list of answers to come."""
+    answers: list[tuple[int, str, str] | None] = []
+    handler = type("Handler", (Scripted,), {"answers": answers})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", answers
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+JSON = "application/json"
+HTML = (502, "text/html", "<html><body>Bad Gateway</body></html>")
+FOLLOW = ["--no-wait", "--follow"]
+RUNNING = (200, JSON, json.dumps({"id": 7, "status": "running"}))
+SUCCEEDED = (200, JSON, json.dumps({"id": 7, "status": "succeeded"}))
+ACCEPTED = (202, JSON, '{"run_id": 7}')
+
+
+@pytest.mark.slow  # starts processes (the CLI): not in --fast
+@pytest.mark.parametrize(
+    ("script", "extra", "code", "message"),
+    [
+        # A proxy's 502 is the service unavailable (3), not a bad request (2).
+        ([HTML], [], 3, "HTTP 502"),
+        ([(507, JSON, "{}")], [], 3, "HTTP 507"),
+        ([(418, JSON, "{}")], [], 2, "HTTP 418"),
+        # A 202 of the wrong shape, a poll answered by a proxy's page: one line, exit 3.
+        ([(202, JSON, "[1]")], FOLLOW, 3, "not the service's answer"),
+        ([ACCEPTED, (200, "text/html", "<html>")], FOLLOW, 3, "not a JSON object"),
+        # The service restarting while the run goes on: retried, the run's end is the exit.
+        ([ACCEPTED, RUNNING, HTML, None, RUNNING, SUCCEEDED], FOLLOW, 0, "succeeded"),
+    ],
+    ids=["502", "507", "418", "202-shape", "poll-html", "poll-retried"],
+)
+def test_trigger_answers_that_are_not_the_services(
+    cli_env: dict[str, str],
+    scripted: tuple[str, list[tuple[int, str, str] | None]],
+    script: list[tuple[int, str, str] | None],
+    extra: list[str],
+    code: int,
+    message: str,
+) -> None:
+    url, answers = scripted
+    answers[:] = script
+    env = {**cli_env, "CRON_SECRET": TEST_SECRET}
+    done = run_process(env, "trigger", "fast", "--url", url, *extra)
+    assert done.returncode == code, (done.stdout, done.stderr)
+    assert message in done.stdout + done.stderr, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert answers == []
 
 
 # --- cancel -----------------------------------------------------------------------------------
