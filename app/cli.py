@@ -135,6 +135,8 @@ ID = inputs.int_range(1, inputs.BIGINT_MAX)
 PARAMS = inputs.text(1_000_000)
 # One line: options go into files of lines (a crontab) and HTTP query strings.
 OPTION = inputs.line(2000)
+# Who paused or cancelled: --by, or CRONLOCK_OPERATOR.
+OPERATOR = inputs.line(200)
 # A keyed job's key as its canonical text (app/jobs.py MAX_KEY_LENGTH).
 KEY = inputs.text(200)
 
@@ -581,7 +583,7 @@ def add_pause_commands(sub: Any) -> None:
         "--until", type=inputs.timestamp, help="resume on its own then (ISO time with offset)"
     )
     pause.add_argument("--note", type=inputs.text(500), help="why (shown in `jobs`)")
-    pause.add_argument("--by", type=inputs.text(200), help="who (default: user@host)")
+    pause.add_argument("--by", type=OPERATOR, help="who (default: user@host)")
     pause.add_argument("--json", action="store_true", help="print JSON (as the HTTP route)")
     pause.set_defaults(handler=cmd_pause)
 
@@ -995,7 +997,12 @@ def _operator() -> str:
 
     named = os.environ.get("CRONLOCK_OPERATOR", "").strip()
     if named:
-        return named
+        # Checked as --by is: a byte that is not UTF-8 would otherwise be the database's
+        # refusal, naming nothing.
+        try:
+            return OPERATOR(named)
+        except argparse.ArgumentTypeError as exc:
+            raise SettingsError(f"CRONLOCK_OPERATOR: {exc}") from None
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (a container's)

@@ -314,13 +314,21 @@ def test_a_bad_argument_in_the_process(cli_env: dict[str, str]) -> None:
 
 
 async def test_bad_values_the_commands_see_later_are_exit_2_too(
-    cli_env: dict[str, str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+    cli_env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # NUL in a JSON string: valid JSON, but no text the ledger's jsonb can store.
     r = await run_cli(capsys, "run", "note", "--params", '{"text": "a\\u0000"}')
     assert (r.code, r.out) == (2, ""), r.err
-    assert "invalid trigger" in r.err
-    assert "NUL" in r.err
+    assert "invalid trigger: text: Value contains NUL" in r.err  # pydantic's errors, one line
+    # Who pauses, from the environment, is checked as --by is, and named.
+    for operator, problem in (("o" * 201, "longer than 200"), ("\udcff", "contains a lone")):
+        monkeypatch.setenv("CRONLOCK_OPERATOR", operator)
+        r = await run_cli(capsys, "pause", "fast")
+        assert (r.code, r.out) == (2, ""), r.err
+        assert f"CRONLOCK_OPERATOR: {problem}" in r.err, r.err
     r = await run_cli(
         capsys, "schedule", "export", "--format", "crontab", "-o", str(tmp_path / "no" / "f")
     )
