@@ -428,6 +428,10 @@ async def _runner(settings: Settings, registry: Any) -> AsyncIterator[Any]:
     try:
         with _translated():
             await db.open()
+            # A first connection, so that DATABASE_URL refused by the driver is configuration
+            # (exit 2): check() reports every failure alike, as a problem.
+            async with db.connection():
+                pass
             problem = await db.check(apply_migrations=False)
         if problem is not None:
             hint = " (python -m app migrate)" if "migrat" in problem else ""

@@ -365,12 +365,20 @@ BAD_DATABASE_URLS: list[tuple[str, str]] = [
 def test_a_bad_database_url_is_configuration(cli_env: dict[str, str]) -> None:
     for url, message in BAD_DATABASE_URLS:
         done = run_process({**cli_env, "DATABASE_URL": url}, "jobs")
-        assert done.returncode == 2, (url, done.stderr)
-        assert "DATABASE_URL" in done.stderr, (url, done.stderr)
-        assert message in done.stderr, (url, done.stderr)
-        assert "hunter2" not in done.stderr
-        assert "Traceback" not in done.stderr
-        assert len(done.stderr.splitlines()) == 1, done.stderr
+        check_bad_database_url(done, url, message)
+    # Through the pool (run, catch-up), as through a single connection (jobs).
+    for args in (["run", "fast"], ["catch-up"]):
+        url, message = BAD_DATABASE_URLS[-1]
+        check_bad_database_url(run_process({**cli_env, "DATABASE_URL": url}, *args), url, message)
+
+
+def check_bad_database_url(done: subprocess.CompletedProcess[str], url: str, message: str) -> None:
+    assert done.returncode == 2, (url, done.stderr)
+    assert "DATABASE_URL" in done.stderr, (url, done.stderr)
+    assert message in done.stderr, (url, done.stderr)
+    assert "hunter2" not in done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
 @pytest.mark.slow
