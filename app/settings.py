@@ -32,8 +32,14 @@ def _default_instance() -> str:
 
 
 class Settings(BaseSettings):
+    # hide_input_in_errors: a ValidationError's text (a service's start-up log) never quotes a
+    # value, which may be a password in DATABASE_URL or a secret.
     model_config = SettingsConfigDict(
-        env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        frozen=True,
+        hide_input_in_errors=True,
     )
 
     # --- database -------------------------------------------------------------------------

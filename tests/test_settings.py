@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from app.settings import PLACEHOLDER_SECRET, Settings, SettingsError
 
@@ -72,3 +72,19 @@ def test_http_email_backend_needs_a_key() -> None:
         settings(cron_secret=GOOD, email_backend="http").check_email()
     settings(cron_secret=GOOD, email_backend="http", outbox_enabled=False).check_email()
     settings(cron_secret=GOOD, email_backend="http", email_api_key="k").check_email()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("database_url", "postgresql://u:hunter2@h:abc/x"),
+        ("database_direct_url", "mysql://u:hunter2@h/x"),
+        ("cron_secret", "hunter2-é" * 4),
+    ],
+)
+def test_a_bad_setting_is_named_never_quoted(field: str, value: str) -> None:
+    """The error names the setting; its text (a start-up log) never holds the value."""
+    with pytest.raises(ValidationError) as refused:
+        settings(**{field: value})
+    assert refused.value.errors()[0]["loc"] == (field,)
+    assert "hunter2" not in str(refused.value)
