@@ -344,8 +344,8 @@ async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     conn = await connect(settings)
     try:
         with _translated():
-            found = await schema.status(conn, settings.db_schema, sets)
             if args.dry_run or args.sql:
+                found = await schema.status(conn, settings.db_schema, sets)
                 steps = await schema.plan(conn, settings.db_schema, sets)
                 if args.sql:
                     out = schema.script(settings.db_schema, steps, settings.migrate_lock_timeout)
@@ -873,12 +873,12 @@ def cmd_trigger(args: argparse.Namespace, settings: Settings) -> int:
             code = trigger_exit(status)
             if status == 202 and args.follow:
                 run_id = body.get("run_id") if isinstance(body, dict) else None
-                if not isinstance(run_id, int):
+                if not isinstance(run_id, int) or isinstance(run_id, bool):
                     raise UnexpectedAnswer("a 202 without a run id")
-                status, run = _follow(client, base, headers, run_id, args.timeout)
+                polled, run = _follow(client, base, headers, run_id, args.timeout)
                 body = {"accepted": body, "run": run}
-                if status != 200:
-                    code = EXIT_UNAVAILABLE if status >= 500 else EXIT_USAGE
+                if polled != 200:
+                    code = EXIT_UNAVAILABLE if polled >= 500 else EXIT_USAGE
                 else:
                     code = EXIT_OK if run.get("status") == "succeeded" else EXIT_FAILED
     except httpx.HTTPError as exc:
