@@ -1,7 +1,8 @@
 """The command line: `python -m app <command>`.
 
-Exit codes scripts can rely on: 0 ran or skipped, 1 the job failed or timed out, 2 bad usage
-or configuration, 3 the database is unavailable.
+Exit codes scripts can rely on: 0 ran or skipped, 1 the job failed or timed out (or the
+output could not be written), 2 bad usage or configuration, 3 the database is unavailable or
+not migrated (only `migrate` applies migrations).
 
 Operations (`jobs`, `runs`, `locks`, `cancel`, `outbox`) read the database directly, as the
 HTTP routes do; `trigger` goes through a running service. `--json` prints what the HTTP API
@@ -21,7 +22,7 @@ import os
 import secrets
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,14 @@ import asyncpg
 from pydantic import ValidationError
 
 from app import inputs
-from app.errors import DRIVER_ERRORS, DatabaseUnavailable, InvalidInput, translate
+from app.errors import (
+    DATABASE_DRIVER_ERRORS,
+    DRIVER_ERRORS,
+    DatabaseMisconfigured,
+    DatabaseUnavailable,
+    InvalidInput,
+    translate,
+)
 from app.schema import MigrationError
 from app.settings import Settings, SettingsError
 
@@ -48,15 +56,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
+        code = _dispatch(handler, args)
+        # Written now, so that a failing stdout (a closed pipe, a full disk) is seen here.
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (`| head`): no message, as any pipe producer. Python's own
+        # convention: stdout to /dev/null (so its flush at exit does not fail again), exit 1.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_FAILED
+    except OSError as exc:
+        # The commands' database work is translated where it runs: an OSError here is a file
+        # or stdout the command could not write (ENOSPC, EIO...).
+        what = exc.filename or "cannot write output"
+        return _fail(f"{what}: {exc.strerror or type(exc).__name__}", EXIT_FAILED)
+
+
+def _dispatch(handler: Command, args: argparse.Namespace) -> int:
+    try:
         try:
-            result = handler(args, Settings())
+            result = handler(args, _settings())
             if asyncio.iscoroutine(result):
                 return asyncio.run(result)
             assert isinstance(result, int)
             return result
-        except DRIVER_ERRORS as exc:
-            # A statement outside a command's connection helper (migrate's own): the same
-            # translation as everywhere, then the same exit codes.
+        except DATABASE_DRIVER_ERRORS as exc:
+            # A driver error no command translated: the same translation as everywhere, then
+            # the same exit codes.
             raise translate(exc) from exc
     except SettingsError as exc:
         print(f"cronlock: {exc}", file=sys.stderr)
@@ -64,12 +92,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidInput as exc:
         # A value of the command line the database refused (argument types catch the rest).
         return _fail(f"invalid argument: {exc.reason}", EXIT_USAGE)
+    except DatabaseMisconfigured as exc:
+        return _fail(f"invalid configuration: {exc.reason}", EXIT_USAGE)
     except DatabaseUnavailable as exc:
         return _fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
     except MigrationError as exc:
         return _fail(exc.reason, EXIT_UNAVAILABLE)
     except ValidationError as exc:
-        # A setting from the environment or .env that does not parse: name it, no traceback.
+        # A setting from the environment or .env that does not parse: name it, no traceback
+        # (and never its value, which may be a password).
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])).upper() or 'settings'}: {e['msg']}"
             for e in exc.errors()
@@ -79,12 +110,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _settings() -> Settings:
+    """The settings, from the environment and .env (read once)."""
+    try:
+        return Settings()
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"cannot read .env: not UTF-8 (byte {exc.start + 1})") from None
+
+
+@contextlib.contextmanager
+def _translated() -> Iterator[None]:
+    """A command's database work outside `_connection`: driver and OS errors become ours here,
+    where they can only be the database's (main takes any other OSError for a file's)."""
+    try:
+        yield
+    except DRIVER_ERRORS as exc:
+        raise translate(exc) from exc
+
+
 # Argument types check what the database (or the service) would refuse, so that a bad value
 # is argparse's usage error (exit 2, the argument named), never a traceback.
 JOB_NAME_MAX = 100
 ID = inputs.int_range(1, inputs.BIGINT_MAX)
 PARAMS = inputs.text(1_000_000)
-OPTION = inputs.text(2000)
+# One line: options go into files of lines (a crontab) and HTTP query strings.
+OPTION = inputs.line(2000)
+# Who paused or cancelled: --by, or CRONLOCK_OPERATOR.
+OPERATOR = inputs.line(200)
 # A keyed job's key as its canonical text (app/jobs.py MAX_KEY_LENGTH).
 KEY = inputs.text(200)
 
@@ -103,9 +155,7 @@ def job_name(text: str) -> str:
 def service_url(text: str) -> str:
     import httpx
 
-    problem = inputs.text_problem(text)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
+    inputs.line(2000)(text)
     try:
         url = httpx.URL(text)
     except (httpx.InvalidURL, TypeError, ValueError):
@@ -293,74 +343,109 @@ async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     sets = schema.migration_sets(settings.job_modules)
     conn = await connect(settings)
     try:
-        if args.dry_run or args.sql:
-            found = await schema.status(conn, settings.db_schema, sets)
-            steps = await schema.plan(conn, settings.db_schema, sets)
-            if args.sql:
-                print(
-                    schema.script(settings.db_schema, steps, settings.migrate_lock_timeout), end=""
-                )
-            elif steps:
-                for step in steps:
-                    print(f"would apply: {step.label}")
+        with _translated():
+            if args.dry_run or args.sql:
+                found = await schema.status(conn, settings.db_schema, sets)
+                steps = await schema.plan(conn, settings.db_schema, sets)
+                if args.sql:
+                    out = schema.script(settings.db_schema, steps, settings.migrate_lock_timeout)
+                elif steps:
+                    out = "".join(f"would apply: {step.label}\n" for step in steps)
+                else:
+                    out = "migrations are current\n"
             else:
-                print("migrations are current")
-            if found.note:
-                print(f"note: {found.note}", file=sys.stderr)
-            return EXIT_OK
-        applied = await schema.migrate(
-            conn, settings.db_schema, sets, lock_timeout=settings.migrate_lock_timeout
-        )
-        found = await schema.status(conn, settings.db_schema, sets)
+                applied = await schema.migrate(
+                    conn, settings.db_schema, sets, lock_timeout=settings.migrate_lock_timeout
+                )
+                found = await schema.status(conn, settings.db_schema, sets)
+                out = "applied: " + ", ".join(applied) if applied else "migrations are current"
+                out += "\n"
     finally:
         await conn.close()
-    print("applied: " + ", ".join(applied) if applied else "migrations are current")
+    print(out, end="")
     if found.note:
         print(f"note: {found.note}", file=sys.stderr)
     return EXIT_OK
 
 
 async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
-    from app.db import Database
-    from app.errors import InvalidTrigger
-    from app.jobs import load, parse_params
-    from app.runner import Runner
+    from app.errors import InvalidTrigger, JobDefinitionError
+    from app.jobs import parse_params
+    from app.outcome import answer
 
-    registry = load(settings.job_modules, settings.lock_namespace, settings.db_schema)
+    registry = _load_registry(settings)
     if args.job not in registry:
         print(f"cronlock: unknown job {args.job!r}; known: {', '.join(registry)}", file=sys.stderr)
         return EXIT_USAGE
-    registry.check_leases(settings.db_query_timeout, settings.lease_margin)
+    try:
+        registry.check_leases(settings.db_query_timeout, settings.lease_margin)
+    except JobDefinitionError as exc:
+        raise SettingsError(str(exc)) from exc
     job = registry[args.job]
-    db = Database(settings)
-    await db.open()
-    runner = Runner(settings, registry, db)
     try:
         params = parse_params(job, (args.params or "").encode())
-        await db.check(apply_migrations=False)
-        outcome = await runner.trigger(
-            job, force=args.force, slot=args.slot, params=params, source="cli"
-        )
-        if outcome.kind == "accepted":
-            # A lease job runs in the background of this process: wait for its end. If this
-            # process dies first, its lease runs out and a running service takes it over.
-            outcome = await runner.leases.settle(outcome.run_id or 0) or outcome
+        async with _runner(settings, registry) as runner:
+            outcome = await runner.trigger(
+                job, force=args.force, slot=args.slot, params=params, source="cli"
+            )
+            if outcome.kind == "accepted":
+                # A lease job runs in the background of this process: wait for its end. If
+                # this process dies first, its lease runs out and a running service takes it
+                # over.
+                outcome = await runner.leases.settle(outcome.run_id or 0) or outcome
     except InvalidTrigger as exc:
-        print(f"cronlock: invalid trigger: {exc.args[0]}", file=sys.stderr)
-        return EXIT_USAGE
-    finally:
-        # A lease run still held here (interrupted) gives its lease up before the pool goes,
-        # so that a running service takes it over at once.
-        await runner.leases.shutdown()
-        await db.close()
-    from app.outcome import answer
-
+        return _fail(f"invalid trigger: {_trigger_problem(exc)}", EXIT_USAGE)
     _, body = answer(outcome)
     if args.json:
         print(json.dumps(body))
     else:
         print(" ".join(f"{k}={v}" for k, v in body.items()))
     return EXIT_OK if outcome.kind in ("succeeded", "skipped") else EXIT_FAILED
+
+
+def _trigger_problem(exc: Exception) -> str:
+    """An InvalidTrigger's reason as one line: a text, or pydantic's errors (loc and msg)."""
+    reason = exc.args[0] if exc.args else ""
+    if isinstance(reason, list):
+        return "; ".join(
+            f"{'.'.join(map(str, e.get('loc', ()))) or 'params'}: {e.get('msg', '')}"
+            if isinstance(e, dict)
+            else str(e)
+            for e in reason
+        )
+    return str(reason)
+
+
+@contextlib.asynccontextmanager
+async def _runner(settings: Settings, registry: Any) -> AsyncIterator[Any]:
+    """A Runner on a pool of its own, for `run` and `catch-up`, on a database ready for jobs
+    only: migrations are `migrate`'s (MIGRATE_ON_START is the service's), as for `jobs`."""
+    from app.db import Database
+    from app.runner import Runner
+
+    settings = settings.model_copy(update={"migrate_on_start": False})
+    db = Database(settings)
+    try:
+        with _translated():
+            await db.open()
+            # A first connection, so that DATABASE_URL refused by the driver is configuration
+            # (exit 2): check() reports every failure alike, as a problem.
+            async with db.connection():
+                pass
+            problem = await db.check(apply_migrations=False)
+        if problem is not None:
+            hint = " (python -m app migrate)" if "migrat" in problem else ""
+            raise DatabaseUnavailable(problem + hint)
+        runner = Runner(settings, registry, db)
+        try:
+            with _translated():
+                yield runner
+        finally:
+            # A lease run still held here (interrupted) gives its lease up before the pool
+            # goes, so that a running service takes it over at once.
+            await runner.leases.shutdown()
+    finally:
+        await db.close()
 
 
 # --- operations: jobs, runs, locks, trigger, cancel, outbox, schedule export, catch-up --------
@@ -413,7 +498,10 @@ def add_ops_commands(sub: Any) -> None:
         "--follow", action="store_true", help="with --no-wait: poll the run until it ends"
     )
     trigger.add_argument(
-        "--timeout", type=inputs.positive_seconds, default=3600.0, help="HTTP timeout, seconds"
+        "--timeout",
+        type=trigger_timeout,
+        default=3600.0,
+        help="HTTP timeout, seconds (--follow: also how long it retries a lost service)",
     )
     trigger.add_argument("--json", action="store_true", help="print the answer as JSON")
     trigger.set_defaults(handler=cmd_trigger)
@@ -499,7 +587,7 @@ def add_pause_commands(sub: Any) -> None:
         "--until", type=inputs.timestamp, help="resume on its own then (ISO time with offset)"
     )
     pause.add_argument("--note", type=inputs.text(500), help="why (shown in `jobs`)")
-    pause.add_argument("--by", type=inputs.text(200), help="who (default: user@host)")
+    pause.add_argument("--by", type=OPERATOR, help="who (default: user@host)")
     pause.add_argument("--json", action="store_true", help="print JSON (as the HTTP route)")
     pause.set_defaults(handler=cmd_pause)
 
@@ -724,7 +812,8 @@ async def cmd_locks(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
-# HTTP answers of `POST /cron/<job>` -> exit code.
+# HTTP answers of `POST /cron/<job>` -> exit code; any other 5xx is 3 (the service or what is
+# in front of it cannot serve), any other answer 2 (a 4xx: the request, the secret).
 TRIGGER_EXIT = {
     200: EXIT_OK,
     202: EXIT_OK,
@@ -732,6 +821,28 @@ TRIGGER_EXIT = {
     503: EXIT_UNAVAILABLE,
     504: EXIT_FAILED,
 }
+# A trigger waits for its job: an hour by default, some days at most (httpx cannot take more
+# than a few hundred years, and nobody means that).
+TRIGGER_TIMEOUT_MAX = 1_000_000
+# What `--follow` retries: the service restarting or a proxy without a backend for a moment.
+TRANSIENT_STATUS = (502, 503, 504)
+
+
+def trigger_timeout(text: str) -> float:
+    value = inputs.positive_seconds(text)
+    if value > TRIGGER_TIMEOUT_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {TRIGGER_TIMEOUT_MAX} seconds")
+    return value
+
+
+def trigger_exit(status: int) -> int:
+    if status in TRIGGER_EXIT:
+        return TRIGGER_EXIT[status]
+    return EXIT_UNAVAILABLE if status >= 500 else EXIT_USAGE
+
+
+class UnexpectedAnswer(Exception):
+    """An answer that is not the service's (a proxy's HTML page, a body of the wrong shape)."""
 
 
 def cmd_trigger(args: argparse.Namespace, settings: Settings) -> int:
@@ -758,20 +869,29 @@ def cmd_trigger(args: argparse.Namespace, settings: Settings) -> int:
                 f"{base}/cron/{args.job}", params=params, content=content, headers=headers
             )
             body = _json_or_text(answer)
-            code = TRIGGER_EXIT.get(answer.status_code, EXIT_USAGE)
-            if answer.status_code == 202 and args.follow:
-                run = _follow(client, base, headers, body["run_id"])
+            status = answer.status_code
+            code = trigger_exit(status)
+            if status == 202 and args.follow:
+                run_id = body.get("run_id") if isinstance(body, dict) else None
+                if not isinstance(run_id, int) or isinstance(run_id, bool):
+                    raise UnexpectedAnswer("a 202 without a run id")
+                polled, run = _follow(client, base, headers, run_id, args.timeout)
                 body = {"accepted": body, "run": run}
-                code = EXIT_OK if run.get("status") == "succeeded" else EXIT_FAILED
+                if polled != 200:
+                    code = EXIT_UNAVAILABLE if polled >= 500 else EXIT_USAGE
+                else:
+                    code = EXIT_OK if run.get("status") == "succeeded" else EXIT_FAILED
     except httpx.HTTPError as exc:
         return _fail(f"service unreachable at {base}: {exc}", EXIT_UNAVAILABLE)
+    except UnexpectedAnswer as exc:
+        return _fail(f"not the service's answer from {base}: {exc}", EXIT_UNAVAILABLE)
     if args.json:
         print(json.dumps(body))
     elif isinstance(body, dict):
-        prefix = f"HTTP {answer.status_code}"
+        prefix = f"HTTP {status}"
         print(prefix + " " + " ".join(f"{k}={v}" for k, v in body.items()))
     else:
-        print(f"HTTP {answer.status_code} {body}")
+        print(f"HTTP {status} {body}")
     return code
 
 
@@ -782,15 +902,34 @@ def _json_or_text(answer: Any) -> Any:
         return answer.text
 
 
-def _follow(client: Any, base: str, headers: dict[str, str], run_id: int) -> dict[str, Any]:
-    """Poll `GET /cron/runs/{id}` until the run has ended."""
+def _follow(
+    client: Any, base: str, headers: dict[str, str], run_id: int, bound: float
+) -> tuple[int, dict[str, Any]]:
+    """Poll `GET /cron/runs/{id}` until the run has ended: its last answer's status and body.
+    A lost connection or a 502/503/504 is retried until `bound` seconds without a good answer
+    (the service restarting must not end a run's follower while the run goes on)."""
     import time
 
+    import httpx
+
+    good = time.monotonic()
     while True:
-        answer = client.get(f"{base}/cron/runs/{run_id}", headers=headers)
-        run: dict[str, Any] = answer.json()
+        try:
+            answer = client.get(f"{base}/cron/runs/{run_id}", headers=headers)
+        except httpx.TransportError:
+            if time.monotonic() - good >= bound:
+                raise
+            time.sleep(0.5)
+            continue
+        if answer.status_code in TRANSIENT_STATUS and time.monotonic() - good < bound:
+            time.sleep(0.5)
+            continue
+        run = _json_or_text(answer)
+        if not isinstance(run, dict):
+            raise UnexpectedAnswer(f"HTTP {answer.status_code}, not a JSON object")
         if answer.status_code != 200 or run.get("status") != "running":
-            return run
+            return answer.status_code, run
+        good = time.monotonic()
         time.sleep(0.5)
 
 
@@ -862,7 +1001,12 @@ def _operator() -> str:
 
     named = os.environ.get("CRONLOCK_OPERATOR", "").strip()
     if named:
-        return named
+        # Checked as --by is: a byte that is not UTF-8 would otherwise be the database's
+        # refusal, naming nothing.
+        try:
+            return OPERATOR(named)
+        except argparse.ArgumentTypeError as exc:
+            raise SettingsError(f"CRONLOCK_OPERATOR: {exc}") from None
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (a container's)
@@ -946,7 +1090,8 @@ async def cmd_outbox_drain(args: argparse.Namespace, settings: Settings) -> int:
     from app import sender
 
     settings.check_email()
-    await sender.run_sender(settings, once=args.once)
+    with _translated():
+        await sender.run_sender(settings, once=args.once)
     return EXIT_OK
 
 
@@ -1006,18 +1151,11 @@ def cmd_schedule_export(args: argparse.Namespace, settings: Settings) -> int:
 
 async def cmd_catch_up(args: argparse.Namespace, settings: Settings) -> int:
     from app import catchup
-    from app.db import Database
     from app.outcome import answer
-    from app.runner import Runner
 
     registry = _load_registry(settings)
-    db = Database(settings)
-    await db.open()
-    try:
-        await db.check(apply_migrations=False)
-        outcomes = await catchup.catch_up(Runner(settings, registry, db))
-    finally:
-        await db.close()
+    async with _runner(settings, registry) as runner:
+        outcomes = await catchup.catch_up(runner)
     bodies = [answer(o)[1] for o in outcomes]
     if args.json:
         print(json.dumps({"caught_up": bodies}))

@@ -21,6 +21,11 @@ class DatabaseUnavailable(CronlockError):
         self.reason = reason
 
 
+class DatabaseMisconfigured(DatabaseUnavailable):
+    """The driver refused DATABASE_URL itself (an unknown `sslmode`, say): configuration to fix,
+    not an outage to wait out. Still a 503 for the service; the CLI's exit 2."""
+
+
 STANDBY_REASON = (
     "database is a standby: advisory locks there do not coordinate with the primary, "
     "so jobs are refused"
@@ -106,6 +111,11 @@ def describe(exc: BaseException) -> str:
 
 # Everything `translate` turns into one of ours.
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
+# The driver's own errors, without the OSErrors of its sockets (which no one can tell from a
+# file's): what the CLI translates wherever a command left one untranslated.
+DATABASE_DRIVER_ERRORS: tuple[type[BaseException], ...] = tuple(
+    e for e in DRIVER_ERRORS if not issubclass(e, OSError)
+)
 # A statement of ours that failed for any database reason, translated or not yet (a block that
 # overran DB_QUERY_TIMEOUT raises DatabaseUnavailable): what a background write retries later.
 DATABASE_ERRORS: tuple[type[BaseException], ...] = (*DRIVER_ERRORS, DatabaseUnavailable)
@@ -120,6 +130,11 @@ def translate(exc: BaseException, *, input_from: tuple[str, ...] | None = None) 
     InvalidInput; everywhere else, as for every other error, the database is unavailable. A
     job's own statements never come here: their errors are the job's failure (500, run id).
     """
+    if isinstance(exc, asyncpg.ClientConfigurationError):
+        # asyncpg's message may quote the URL, password and all: not repeated.
+        return DatabaseMisconfigured(
+            "DATABASE_URL has a parameter the driver refuses (check its ?options, e.g. sslmode)"
+        )
     if isinstance(exc, CONNECTION_ERRORS):
         return DatabaseUnavailable(f"database unreachable: {describe(exc)}")
     if isinstance(exc, asyncpg.UndefinedTableError | asyncpg.InvalidSchemaNameError):

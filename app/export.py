@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -33,6 +34,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from app.inputs import has_control
 from app.jobs import Job, Registry
 from app.schedule import Fields, Interval, Schedule
 
@@ -308,8 +310,13 @@ CRONTAB_HEADER = """\
 """
 
 
+def crontab_command(command: str) -> str:
+    """A shell command as a crontab line's: cron turns an unescaped `%` into a newline."""
+    return command.replace("%", "\\%")
+
+
 def crontab(registry: Registry, *, url: str, header_file: str, start: datetime) -> str:
-    out = [CRONTAB_HEADER.format(header=header_file)]
+    out = [CRONTAB_HEADER.format(header=shlex.quote(header_file))]
     out.append("SHELL=/bin/sh\nPATH=/usr/local/bin:/usr/bin:/bin\n")
     for job in registry.values():
         if job.schedule is None:
@@ -324,9 +331,9 @@ def crontab(registry: Registry, *, url: str, header_file: str, start: datetime) 
         note = _lateness_note(job, start)
         if note:
             out.append(f"# {note}\n")
-        command = (
-            f"curl -fsS -X POST -H @{header_file} --max-time {int(job.timeout) + CURL_MARGIN} "
-            f"{_url(url, job)} >/dev/null"
+        command = crontab_command(
+            f"curl -fsS -X POST -H {shlex.quote('@' + header_file)} "
+            f"--max-time {int(job.timeout) + CURL_MARGIN} {shlex.quote(_url(url, job))} >/dev/null"
         )
         for line in job_lines(job, start):
             out.append(f"{line} {command}\n")
@@ -366,7 +373,7 @@ def kubernetes(
             f"printf 'Authorization: Bearer %s\\n' \"$(cat {K8S_SECRET_DIR}/cron_secret)\" "
             "> /tmp/auth && "
             f"exec curl -fsS -X POST -H @/tmp/auth --max-time {int(job.timeout) + CURL_MARGIN} "
-            f"{_url(url, job)}"
+            f"{shlex.quote(_url(url, job))}"
         )
         deadline = job.max_lateness if job.max_lateness is not None else job.grace
         docs.append(
@@ -522,7 +529,8 @@ def compose_script(registry: Registry, *, url: str, secret_path: str, start: dat
             condition = _line_condition(Schedule(text, "UTC").fields)
             lines.append(f"    # {job.name}: {text}")
             lines.append(
-                f"    if {condition}; then fire {job.name} {timeout} {_url(url, job)} & fi"
+                f"    if {condition}; then fire {job.name} {timeout} "
+                f"{shlex.quote(_url(url, job))} & fi"
             )
     lines += [
         "  fi",
@@ -589,6 +597,12 @@ def export(
     """The file's text, and notes for the person running the export (stderr)."""
     start = start or datetime.now(UTC)
     base = url or DEFAULT_URLS[fmt]
+    # Each goes into a file of lines (crontab, a comment, YAML): a newline there would be a
+    # line of the attacker's. The shell commands quote them too (shlex.quote).
+    given = {"url": base, "header file": header_file, "secret name": secret_name, "image": image}
+    for what, value in given.items():
+        if has_control(value):
+            raise ExportError(f"the {what} contains a control character (a newline, a tab...)")
     notes = [f"{j.name}: no schedule, not exported" for j in registry.values() if not j.schedule]
     registry, interval_notes = as_cron(registry)
     notes += interval_notes

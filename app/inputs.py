@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import unicodedata
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +31,11 @@ def text_problem(value: str) -> str | None:
     except UnicodeEncodeError:
         return "contains a lone surrogate, which is not a character (not UTF-8)"
     return None
+
+
+def has_control(value: str) -> bool:
+    """Whether `value` has a control character (C0, DEL, C1: a newline, a tab, ESC...)."""
+    return any(unicodedata.category(ch) == "Cc" for ch in value)
 
 
 def json_problem(value: Any) -> tuple[list[str | int], str] | None:
@@ -130,6 +136,21 @@ def timestamp(text: str) -> datetime:
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{text[:40]!r} {problem}")
     return value
+
+
+def line(max_length: int) -> Callable[[str], str]:
+    """`text`, on one line: no control character (a newline, a tab, ESC...), for a value that
+    goes into a file of lines (a crontab) or a terminal."""
+    check = text(max_length)
+
+    def parse(value: str) -> str:
+        value = check(value)
+        if has_control(value):
+            raise argparse.ArgumentTypeError("contains a control character (a newline, a tab...)")
+        return value
+
+    parse.__name__ = "text"
+    return parse
 
 
 def text(max_length: int) -> Callable[[str], str]:

@@ -9,10 +9,13 @@ import os
 import socket
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.inputs import has_control, text_problem
+from app.primary import split_hosts
 from app.schema import check_name
 
 # The value `.env.example` ships with: a service started with it must refuse, never run.
@@ -29,8 +32,14 @@ def _default_instance() -> str:
 
 
 class Settings(BaseSettings):
+    # hide_input_in_errors: a ValidationError's text (a service's start-up log) never quotes a
+    # value, which may be a password in DATABASE_URL or a secret.
     model_config = SettingsConfigDict(
-        env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        frozen=True,
+        hide_input_in_errors=True,
     )
 
     # --- database -------------------------------------------------------------------------
@@ -200,6 +209,15 @@ class Settings(BaseSettings):
     def _schema_name(cls, v: str) -> str:
         return check_name(v)
 
+    @field_validator("database_url", "database_direct_url")
+    @classmethod
+    def _database_url(cls, v: str | None) -> str | None:
+        # The message never quotes the URL: it may hold a password.
+        problem = database_url_problem(v) if v is not None else None
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
     @field_validator(
         "cron_secret",
         "cron_secret_previous",
@@ -211,6 +229,8 @@ class Settings(BaseSettings):
     def _blank_is_unset(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and not v.get_secret_value().strip():
             return None
+        if v is not None and not is_token(v.get_secret_value()):
+            raise ValueError(TOKEN_RULE)
         return v
 
     @property
@@ -266,8 +286,41 @@ class Settings(BaseSettings):
         return self.database_direct_url or self.database_url
 
 
+# A token goes into an HTTP header (`Authorization: Bearer ...`), which carries ASCII only.
+TOKEN_RULE = "must be printable ASCII (letters, digits, punctuation)"  # noqa: S105
+
+
+def is_token(value: str) -> bool:
+    return all(" " <= c <= "~" for c in value)
+
+
 def read_secret_file(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8").strip()
+        token = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
         raise SettingsError(f"CRON_SECRET_FILE {path} cannot be read: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        raise SettingsError(f"CRON_SECRET_FILE {path} is not UTF-8 text") from None
+    if not is_token(token):
+        raise SettingsError(f"CRON_SECRET_FILE {path}: the secret {TOKEN_RULE}")
+    return token
+
+
+def database_url_problem(url: str) -> str | None:
+    """Why a DATABASE_URL cannot be one, or None; never quoting it (it may hold a password)."""
+    problem = text_problem(url)
+    if problem is None and has_control(url):
+        problem = "contains a control character"
+    if problem is not None:
+        return problem
+    example = "postgresql://user:password@host:5432/database"
+    try:
+        scheme = urlsplit(url).scheme
+        ports = [port for _, port in split_hosts(url)]
+    except ValueError:
+        return f"is not a URL like {example}"
+    if scheme not in ("postgresql", "postgres"):
+        return f"must start with postgresql:// or postgres:// (e.g. {example})"
+    if any(port is not None and not 1 <= port <= 65535 for port in ports):
+        return "has a port outside 1-65535"
+    return None

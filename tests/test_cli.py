@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import os
 import shutil
@@ -18,10 +19,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import asyncpg
 import httpx
@@ -31,6 +33,7 @@ from app import cli
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
+from tests.support.postgres import PostgresServer, create_database, drop_database, unique_name
 from tests.support.ui import csrf_of
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
@@ -271,6 +274,7 @@ BAD_ARGUMENTS: list[tuple[list[str], str]] = [
     (["cancel", "slow", "--wait", "nan"], "--wait: must be a finite, non-negative number"),
     (["cancel", "slow", "--wait", "-1"], "--wait"),
     (["trigger", "fast", "--timeout", "0"], "--timeout: must be more than 0 seconds"),
+    (["trigger", "fast", "--timeout", "1e10"], "--timeout: must be at most 1000000 seconds"),
     (["trigger", "fast", "--url", "localhost:8000"], "--url: not an http(s) URL"),
     (["trigger", "fast", "--params", "\udcff"], "--params: contains a lone surrogate"),
     (["outbox", "dead", "--limit", str(2**64)], "--limit: must be between 1 and"),
@@ -278,6 +282,12 @@ BAD_ARGUMENTS: list[tuple[list[str], str]] = [
     (["serve", "--port", "70000"], "--port: must be between 0 and 65535"),
     (["serve", "--demo-users", "-1"], "--demo-users"),
     (["schedule", "export", "--format", "crontab", "--image", "a\x00"], "--image: contains NUL"),
+    (
+        ["schedule", "export", "--format", "crontab", "--header-file", "/h\n* * * * * id #"],
+        "--header-file: contains a control character",
+    ),
+    (["schedule", "export", "--format", "crontab", "--url", "http://x/\r"], "--url: contains a"),
+    (["trigger", "fast", "--slot", "2026-01-01T00:00:00Z\n"], "--slot: contains a control"),
 ]
 
 
@@ -304,13 +314,21 @@ def test_a_bad_argument_in_the_process(cli_env: dict[str, str]) -> None:
 
 
 async def test_bad_values_the_commands_see_later_are_exit_2_too(
-    cli_env: dict[str, str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+    cli_env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # NUL in a JSON string: valid JSON, but no text the ledger's jsonb can store.
     r = await run_cli(capsys, "run", "note", "--params", '{"text": "a\\u0000"}')
     assert (r.code, r.out) == (2, ""), r.err
-    assert "invalid trigger" in r.err
-    assert "NUL" in r.err
+    assert "invalid trigger: text: Value contains NUL" in r.err  # pydantic's errors, one line
+    # Who pauses, from the environment, is checked as --by is, and named.
+    for operator, problem in (("o" * 201, "longer than 200"), ("\udcff", "contains a lone")):
+        monkeypatch.setenv("CRONLOCK_OPERATOR", operator)
+        r = await run_cli(capsys, "pause", "fast")
+        assert (r.code, r.out) == (2, ""), r.err
+        assert f"CRONLOCK_OPERATOR: {problem}" in r.err, r.err
     r = await run_cli(
         capsys, "schedule", "export", "--format", "crontab", "-o", str(tmp_path / "no" / "f")
     )
@@ -327,6 +345,122 @@ async def test_bad_values_the_commands_see_later_are_exit_2_too(
 
     with pytest.raises(InvalidInput, match="SQLSTATE 22000"):
         await refused()
+
+
+# --- configuration and output errors: one line, never a traceback -------------------------------
+
+# (DATABASE_URL, what the message says): each names DATABASE_URL and never echoes the URL.
+BAD_DATABASE_URLS: list[tuple[str, str]] = [
+    ("postgresql://u:hunter2@127.0.0.1:abc/x", "is not a URL"),
+    ("postgres://hunter2@[bad", "is not a URL"),
+    ("hunter2", "must start with postgresql://"),
+    ("postgresql://u:hunter2@127.0.0.1:70000/x", "port outside 1-65535"),
+    ("postgresql://u:hunter2@127.0.0.1/x\udcff", "not UTF-8"),  # a non-UTF-8 byte
+    ("postgresql://u:hunter2@127.0.0.1/x\n", "control character"),
+    ("postgresql://u:hunter2@127.0.0.1:9/x?sslmode=bogus", "parameter the driver refuses"),
+]
+
+
+@pytest.mark.slow  # starts processes (the CLI): not in --fast
+def test_a_bad_database_url_is_configuration(cli_env: dict[str, str]) -> None:
+    for url, message in BAD_DATABASE_URLS:
+        done = run_process({**cli_env, "DATABASE_URL": url}, "jobs")
+        check_bad_database_url(done, url, message)
+    # Through the pool (run, catch-up), as through a single connection (jobs).
+    for args in (["run", "fast"], ["catch-up"]):
+        url, message = BAD_DATABASE_URLS[-1]
+        check_bad_database_url(run_process({**cli_env, "DATABASE_URL": url}, *args), url, message)
+
+
+def check_bad_database_url(done: subprocess.CompletedProcess[str], url: str, message: str) -> None:
+    assert done.returncode == 2, (url, done.stderr)
+    assert "DATABASE_URL" in done.stderr, (url, done.stderr)
+    assert message in done.stderr, (url, done.stderr)
+    assert "hunter2" not in done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_settings_that_cannot_be_read_are_exit_2(cli_env: dict[str, str], tmp_path: Path) -> None:
+    (tmp_path / ".env").write_bytes(b"CRON_JOBS=\xff\n")
+    done = run_process(cli_env, "jobs")
+    assert (done.returncode, done.stderr.strip()) == (
+        2,
+        "cronlock: cannot read .env: not UTF-8 (byte 11)",
+    )
+    (tmp_path / ".env").unlink()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"\xff" * 40)
+    for env, message in (
+        ({"CRON_SECRET_FILE": str(secret)}, "is not UTF-8 text"),
+        ({"CRON_SECRET": "\udcff" * 40}, "CRON_SECRET: Value error, must be printable ASCII"),
+        ({"CRON_SECRET": "é" * 40}, "CRON_SECRET: Value error, must be printable ASCII"),
+    ):
+        done = run_process({**cli_env, **env}, "trigger", "fast", "--url", "http://127.0.0.1:9")
+        assert done.returncode == 2, (env, done.stderr)
+        assert message in done.stderr, (env, done.stderr)
+        assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_output_that_cannot_be_written(cli_env: dict[str, str]) -> None:
+    args = [sys.executable, "-m", "app", "schedule", "export", "--format", "crontab"]
+    env = {**os.environ, **cli_env, "PYTHONPATH": str(REPO)}
+    # A full disk: the file's error, exit 1, not the database's (exit 3).
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(args, env=env, stdout=full, stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == "cronlock: cannot write output: No space left on device\n"
+    # A reader that went away (`| head`): quiet, as any pipe producer.
+    with subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        assert p.stdout is not None
+        assert p.stderr is not None
+        p.stdout.close()
+        err = p.stderr.read()
+    assert (p.returncode, err) == (1, b"")
+
+
+@pytest.fixture
+async def unmigrated_url(pg_server: PostgresServer) -> AsyncIterator[str]:
+    """An empty database (not migrated), dropped afterwards."""
+    name = unique_name("cli_empty")
+    admin = pg_server.dsn("postgres")
+    await create_database(admin, name)
+    try:
+        yield pg_server.dsn(name)
+    finally:
+        await drop_database(admin, name)
+
+
+async def test_run_and_catch_up_never_migrate(
+    cli_env: dict[str, str], unmigrated_url: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Like `jobs`, they refuse a database not migrated (migrations are `migrate`'s), even
+    with MIGRATE_ON_START left on (the service's setting)."""
+    monkeypatch.setenv("DATABASE_URL", unmigrated_url)
+    monkeypatch.setenv("MIGRATE_ON_START", "true")
+    for args in (["run", "fast"], ["catch-up"], ["jobs"]):
+        result = await run_cli(capsys, *args)
+        assert result.code == 3, (args, result.err)
+        assert "migrations not applied" in result.err, (args, result.err)
+        assert "(python -m app migrate)" in result.err
+    conn = await asyncpg.connect(unmigrated_url)
+    try:
+        assert await conn.fetchval("SELECT to_regnamespace('cronlock')") is None
+    finally:
+        await conn.close()
+
+
+async def test_run_loads_jobs_as_the_other_commands(
+    cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CRON_JOBS", "no.such.module")
+    for args in (["run", "fast"], ["jobs"]):
+        result = await run_cli(capsys, *args)
+        assert result.code == 2, (args, result.err)
+        assert "cannot import 'no.such.module'" in result.err
 
 
 # --- trigger ----------------------------------------------------------------------------------
@@ -385,6 +519,92 @@ async def test_trigger_exit_codes(
     unreachable = await run_cli(capsys, "trigger", "fast", "--url", "http://127.0.0.1:9")
     assert unreachable.code == 3
     assert "service unreachable" in unreachable.err
+
+
+class Scripted(http.server.BaseHTTPRequestHandler):
+    """A fake service (or the proxy in front of one): each request gets the next scripted
+    answer, (status, content type, body); None closes the connection without one."""
+
+    answers: ClassVar[list[tuple[int, str, str] | None]] = []
+
+    def do_POST(self) -> None:
+        self.answer()
+
+    def do_GET(self) -> None:
+        self.answer()
+
+    def answer(self) -> None:
+        scripted = self.answers.pop(0)
+        if scripted is None:
+            self.close_connection = True
+            return
+        status, kind, body = scripted
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body.encode())))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[str, list[tuple[int, str, str] | None]]]:
+    """A fake service's URL and its list of answers to come."""
+    answers: list[tuple[int, str, str] | None] = []
+    handler = type("Handler", (Scripted,), {"answers": answers})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", answers
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+JSON = "application/json"
+HTML = (502, "text/html", "<html><body>Bad Gateway</body></html>")
+FOLLOW = ["--no-wait", "--follow"]
+RUNNING = (200, JSON, json.dumps({"id": 7, "status": "running"}))
+SUCCEEDED = (200, JSON, json.dumps({"id": 7, "status": "succeeded"}))
+ACCEPTED = (202, JSON, '{"run_id": 7}')
+
+
+@pytest.mark.slow  # starts processes (the CLI): not in --fast
+@pytest.mark.parametrize(
+    ("script", "extra", "code", "message"),
+    [
+        # A proxy's 502 is the service unavailable (3), not a bad request (2).
+        ([HTML], [], 3, "HTTP 502"),
+        ([(507, JSON, "{}")], [], 3, "HTTP 507"),
+        ([(418, JSON, "{}")], [], 2, "HTTP 418"),
+        # A 202 of the wrong shape, a poll answered by a proxy's page: one line, exit 3.
+        ([(202, JSON, "[1]")], FOLLOW, 3, "not the service's answer"),
+        ([ACCEPTED, (200, "text/html", "<html>")], FOLLOW, 3, "not a JSON object"),
+        # The service restarting while the run goes on: retried, the run's end is the exit.
+        ([ACCEPTED, RUNNING, HTML, None, RUNNING, SUCCEEDED], FOLLOW, 0, "succeeded"),
+    ],
+    ids=["502", "507", "418", "202-shape", "poll-html", "poll-retried"],
+)
+def test_trigger_answers_that_are_not_the_services(
+    cli_env: dict[str, str],
+    scripted: tuple[str, list[tuple[int, str, str] | None]],
+    script: list[tuple[int, str, str] | None],
+    extra: list[str],
+    code: int,
+    message: str,
+) -> None:
+    url, answers = scripted
+    answers[:] = script
+    env = {**cli_env, "CRON_SECRET": TEST_SECRET}
+    done = run_process(env, "trigger", "fast", "--url", url, *extra)
+    assert done.returncode == code, (done.stdout, done.stderr)
+    assert message in done.stdout + done.stderr, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert answers == []
 
 
 # --- cancel -----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app.export import FORMATS, export, job_lines, k8s_name, to_yaml, utc_lines
+from app.export import FORMATS, ExportError, export, job_lines, k8s_name, to_yaml, utc_lines
 from app.jobs import Job, JobContext, Registry
 from app.schedule import Schedule
 from tests.support import TEST_SECRET
@@ -454,3 +454,75 @@ def test_interval_jobs_export_as_exact_cron_or_not_at_all() -> None:
         assert any("five-minutes" in n and "*/5 * * * *" in n for n in notes), fmt
     text, _ = export(reg, "crontab", start=START)
     assert "*/5 * * * * curl" in text
+
+
+# --- options that reach a shell ------------------------------------------------------------
+
+
+def as_cron_runs(command: str) -> str:
+    """What cron hands to the shell for a crontab line's command: `\\%` is a `%`, and an
+    unescaped `%` ends the command (the rest, with newlines for `%`, is its stdin)."""
+    out, i = [], 0
+    while i < len(command):
+        if command.startswith("\\%", i):
+            out.append("%")
+            i += 2
+        elif command[i] == "%":
+            break
+        else:
+            out.append(command[i])
+            i += 1
+    return "".join(out)
+
+
+def run_with_curl_stub(script: str, tmp_path: Path) -> list[str]:
+    """Run `script` with `curl` stubbed; returns curl's arguments, one each."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    calls = tmp_path / "calls"
+    calls.unlink(missing_ok=True)
+    (stubs / "curl").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {calls}\n')
+    (stubs / "curl").chmod(0o700)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin"}
+    subprocess.run(["sh", "-c", script], env=env, check=False, timeout=10, cwd=tmp_path)
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_options_reach_the_shell_as_one_word_each(tmp_path: Path) -> None:
+    """A URL or header file written into a shell command is one argument of curl, whatever it
+    holds: never a command of its own (`;`, `${IFS}`), nor cut by cron at a `%`."""
+    registry = Registry({"nightly": make_job("nightly", "0 3 * * *")})
+    pwned = tmp_path / "pwned"
+    url = f"http://x/;touch${{IFS}}{pwned};#%d"
+    header = f"{tmp_path}/h ;touch {pwned};# %"
+    text, _ = export(registry, "crontab", url=url, header_file=header, start=START)
+    [(_, command)] = crontab_entries(text)
+    args = run_with_curl_stub(as_cron_runs(command), tmp_path)
+    assert args[-1] == f"{url}/cron/nightly"
+    assert f"@{header}" in args
+
+    text, _ = export(registry, "kubernetes", url=url, start=START)
+    [doc] = [d for d in yaml.safe_load_all(text) if d is not None]
+    [container] = doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    auth = "/tmp/auth"  # noqa: S108 - the container's path, replaced by the test's
+    script = container["command"][2].replace(auth, str(tmp_path / "auth"))
+    assert run_with_curl_stub(script, tmp_path)[-1] == f"{url}/cron/nightly"
+
+    text, _ = export(registry, "compose", url=url, start=START)
+    [script] = yaml.safe_load(text)["services"]["scheduler"]["command"]
+    calls = run_scheduler_once(script, datetime(2026, 3, 30, 3, 0, tzinfo=UTC), tmp_path)
+    assert [c[-1] for c in calls] == [f"{url}/cron/nightly"]
+    assert not pwned.exists()
+
+
+def test_options_with_a_control_character_are_refused() -> None:
+    registry = Registry({"nightly": make_job("nightly", "0 3 * * *")})
+    injected = "/etc/h\n* * * * * touch /tmp/pwn2 #"
+    for fmt, option in (
+        ("crontab", {"header_file": injected}),
+        ("crontab", {"url": "http://x/\n* * * * * id"}),
+        ("kubernetes", {"secret_name": "s\u0085x"}),
+        ("compose", {"image": "curl\rx"}),
+    ):
+        with pytest.raises(ExportError, match="contains a control character"):
+            export(registry, fmt, start=START, **option)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from app.settings import PLACEHOLDER_SECRET, Settings, SettingsError
 
@@ -81,3 +81,19 @@ def test_the_ledger_must_outlive_the_backfill_window() -> None:
         ).check_retention()
     settings(cron_secret=GOOD, ledger_retention_days=2, backfill_window=2 * 86400).check_retention()
     settings(cron_secret=GOOD).check_retention()  # the defaults: 90 days against 7
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("database_url", "postgresql://u:hunter2@h:abc/x"),
+        ("database_direct_url", "mysql://u:hunter2@h/x"),
+        ("cron_secret", "hunter2-é" * 4),
+    ],
+)
+def test_a_bad_setting_is_named_never_quoted(field: str, value: str) -> None:
+    """The error names the setting; its text (a start-up log) never holds the value."""
+    with pytest.raises(ValidationError) as refused:
+        settings(**{field: value})
+    assert refused.value.errors()[0]["loc"] == (field,)
+    assert "hunter2" not in str(refused.value)
