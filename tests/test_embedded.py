@@ -118,3 +118,17 @@ async def test_standby_is_in_recovery_and_follows_the_primary(
         assert await fetchval(standby.dsn(), "SELECT seven FROM replicated") == 7
     finally:
         standby.stop("immediate")
+
+
+def test_a_failed_initdb_removes_only_what_it_created(scratch: Path) -> None:
+    """initdb runs into a fresh sibling folder: its failure deletes that, not the data dir
+    (an empty folder given as EMBEDDED_PG_DIR stays)."""
+    folder = scratch / "initdb-fails"
+    data = folder / "pg"
+    data.mkdir(parents=True)
+    broken = LocalPostgres(data, initdb_options=["--no-such-option"])
+    with pytest.raises(PostgresError, match="no-such-option"):
+        broken.start()
+    assert data.is_dir()
+    assert not any(data.iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == ["pg", "pg.run"]
