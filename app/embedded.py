@@ -303,6 +303,11 @@ class LocalPostgres:
         return self._port
 
     @property
+    def spawned(self) -> bool:
+        """Whether start() spawned the server (False: it found one running and reused it)."""
+        return self._process is not None
+
+    @property
     def log_path(self) -> Path:
         return self._run_dir / "postgres.log"
 
@@ -343,7 +348,22 @@ class LocalPostgres:
 
     def is_running(self) -> bool:
         pid = self.postmaster_pid()
-        return pid is not None and pid_alive(pid)
+        return pid is not None and pid_alive(pid) and self._serves_data_dir(pid)
+
+    def _serves_data_dir(self, pid: int) -> bool:
+        """Whether `pid`, named by postmaster.pid, is this data dir's postmaster rather than a
+        process that got the pid of one that died (the postmaster works in its data dir)."""
+        if self._process is not None and self._process.pid == pid:
+            return True
+        try:
+            return Path(os.readlink(f"/proc/{pid}/cwd")) == self._data_dir
+        except PermissionError:
+            # Another user's process (not root): only a server answering on its port counts.
+            with contextlib.suppress(OSError, PostgresError):
+                return self._answers(self._running_port())
+            return False
+        except OSError:
+            return False
 
     def check(self) -> None:
         """Refuse, before anything is created or changed, what cannot work: no binaries, no
@@ -361,7 +381,8 @@ class LocalPostgres:
             )
 
     def start(self) -> str:
-        """Initialise if needed, start unless already running; returns the superuser DSN."""
+        """Initialise if needed, start unless already running; returns the superuser DSN.
+        `spawned` tells which of the two it did."""
         self.check()
         prepare_dir(self._data_dir.parent, mode=0o755, own=False)
         prepare_dir(self._run_dir)
@@ -403,18 +424,28 @@ class LocalPostgres:
     def stop(self, mode: str = "fast") -> None:
         """Shut down as `pg_ctl stop -m <mode>` would (smart, fast or immediate) and wait.
 
-        Signalled directly rather than through pg_ctl, which needs to traverse the data
-        dir's ancestors as the service user (see _spawn).
+        Only a postmaster this process spawned is signalled: the one this object started
+        (by its pid, even before it wrote postmaster.pid), or the data dir's postmaster if it
+        is a child of ours. Never a server another process runs, nor whatever process got
+        the pid of a dead one. Signalled directly rather than through pg_ctl, which needs to
+        traverse the data dir's ancestors as the service user (see _spawn).
         """
         self.forget()
-        pid = self.postmaster_pid()
-        if pid is not None and pid_alive(pid):
-            os.kill(pid, STOP_SIGNALS[mode])
-            if self._process is None and wait_gone([pid], STOP_TIMEOUT):
-                raise PostgresError(
-                    f"PostgreSQL did not stop in {STOP_TIMEOUT}s:\n{self.log_tail()}"
-                )
-        self._reap(STOP_TIMEOUT)
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.send_signal(STOP_SIGNALS[mode])
+            self._reap(STOP_TIMEOUT)
+        else:
+            pid = self.postmaster_pid()
+            if pid is not None and self.is_running() and _parent_of(pid) == os.getpid():
+                os.kill(pid, STOP_SIGNALS[mode])
+                if wait_gone([pid], STOP_TIMEOUT):
+                    raise PostgresError(
+                        f"PostgreSQL did not stop in {STOP_TIMEOUT}s:\n{self.log_tail()}"
+                    )
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
 
     def _reap(self, timeout: float) -> None:
         if self._process is not None:
@@ -429,28 +460,7 @@ class LocalPostgres:
         """Until `pg_isready` says the server accepts connections, or raise with the log."""
         deadline = time.monotonic() + timeout
         while True:
-            result = subprocess.run(
-                [
-                    self.tool("pg_isready"),
-                    "-q",
-                    "-h",
-                    "127.0.0.1",
-                    "-p",
-                    str(self.port),
-                    "-U",
-                    SUPERUSER,
-                    "-d",
-                    "postgres",
-                    "-t",
-                    "2",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                check=False,
-                timeout=10,
-            )
-            if result.returncode == 0:
+            if self._answers(self.port):
                 return
             if self._exited():
                 raise PostgresError(f"PostgreSQL exited while starting:\n{self.log_tail()}")
@@ -461,6 +471,20 @@ class LocalPostgres:
             time.sleep(0.05)
 
     # --- internals ----------------------------------------------------------------------
+
+    def _answers(self, port: int) -> bool:
+        """Whether a server accepts connections on 127.0.0.1:`port` (`pg_isready`)."""
+        args = [self.tool("pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port)]
+        args += ["-U", SUPERUSER, "-d", "postgres", "-t", "2"]
+        result = subprocess.run(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+            timeout=10,
+        )
+        return result.returncode == 0
 
     def _exited(self) -> bool:
         if self._process is not None:
@@ -491,7 +515,12 @@ class LocalPostgres:
     def _running_port(self) -> int:
         # postmaster.pid line 4 is the port the running server listens on.
         lines = (self._data_dir / "postmaster.pid").read_text().splitlines()
-        return int(lines[3])
+        try:
+            return int(lines[3])
+        except (IndexError, ValueError):
+            raise PostgresError(
+                f"{self._data_dir}/postmaster.pid names no port: {lines!r}"
+            ) from None
 
     def _conf_port(self) -> int | None:
         with contextlib.suppress(OSError):
@@ -528,6 +557,12 @@ class LocalPostgres:
         path = self._data_dir / CONF_NAME
         path.write_text("# written by cronlock (app/embedded.py) at every start\n" + body)
         chown_to_service(path)
+
+
+def _parent_of(pid: int) -> int | None:
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return None
 
 
 _started: set[LocalPostgres] = set()

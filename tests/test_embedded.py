@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +119,41 @@ async def test_standby_is_in_recovery_and_follows_the_primary(
         assert await fetchval(standby.dsn(), "SELECT seven FROM replicated") == 7
     finally:
         standby.stop("immediate")
+
+
+async def test_a_stale_pid_file_naming_another_process_is_no_server(
+    server: ScratchPostgres,
+) -> None:
+    """postmaster.pid left by a server that died, its pid now another live process (pid 1,
+    whose cwd is not the data dir), full or cut short: start() starts the server at once
+    rather than waiting for that process to answer, and PostgreSQL replaces its lock file."""
+    dsn = server.start()
+    server.kill()
+    pid_file = server.data_dir / "postmaster.pid"
+    for text in (f"1\n{server.data_dir}\n0\n{server.port}\n", "1\n"):
+        pid_file.write_text(text)
+        assert not server.is_running()
+        started = time.monotonic()
+        assert server.start() == dsn
+        assert server.spawned
+        assert time.monotonic() - started < 20
+        assert await fetchval(dsn, "SELECT 1") == 1
+        server.kill()
+
+
+def test_the_fallback_socket_dir_is_removed_at_stop(scratch: Path) -> None:
+    """A data dir too deep for a socket path next to it gets a socket dir in /tmp: stop()
+    removes it."""
+    deep = ScratchPostgres(scratch / ("d" * 100) / "pg")
+    deep.start()
+    try:
+        conf = (deep.data_dir / "cronlock.conf").read_text()
+        socket_dir = Path(conf.split("unix_socket_directories = '")[1].split("'")[0])
+        assert socket_dir.is_absolute()
+        assert socket_dir.is_dir()
+    finally:
+        deep.stop()
+    assert not socket_dir.exists()
 
 
 def test_a_failed_initdb_removes_only_what_it_created(scratch: Path) -> None:
