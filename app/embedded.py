@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import importlib.util
 import os
 import pwd
@@ -25,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 SERVICE_USER = "postgres"
 SUPERUSER = "postgres"
@@ -52,6 +53,10 @@ class PostgresError(RuntimeError):
 
 class SetupError(PostgresError):
     """Something to change before trying again: the binaries, the data dir, the system user."""
+
+
+class DataDirBusy(PostgresError):
+    """Another process holds the data dir's lock (see LocalPostgres.lock)."""
 
 
 # --- helpers shared with the tests (tests/support/) ----------------------------------------
@@ -283,6 +288,7 @@ class LocalPostgres:
         self._run_dir = self._data_dir.parent / f"{self._data_dir.name}.run"
         self._socket_dir: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self._lock_file: TextIO | None = None
 
     # --- properties ---------------------------------------------------------------------
 
@@ -379,6 +385,28 @@ class LocalPostgres:
                 f"{path} is not empty and is no PostgreSQL data directory (no PG_VERSION): "
                 "point EMBEDDED_PG_DIR at an empty or new folder"
             )
+
+    def lock(self) -> None:
+        """Hold, until this process ends, the exclusive lock of this data dir.
+
+        A lock file in the run dir, so that two processes never start, reuse or stop one
+        server at once; PostgreSQL's own postmaster.pid check comes too late for that (after
+        initdb, and not at all for stopping). Raises DataDirBusy if someone else holds it.
+        """
+        if self._lock_file is not None:
+            return
+        self.check()
+        prepare_dir(self._data_dir.parent, mode=0o755, own=False)
+        prepare_dir(self._run_dir)
+        handle = (self._run_dir / "lock").open("a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise DataDirBusy(
+                f"{self._data_dir} is in use by another process (it holds {self._run_dir}/lock)"
+            ) from None
+        self._lock_file = handle
 
     def start(self) -> str:
         """Initialise if needed, start unless already running; returns the superuser DSN.
