@@ -149,6 +149,18 @@ async def test_a_stale_pid_file_naming_another_process_is_no_server(
         server.kill()
 
 
+def test_stop_right_after_the_spawn_does_not_wait(server: ScratchPostgres) -> None:
+    """stop() signals the process it spawned by its pid, even before the postmaster wrote
+    postmaster.pid (before, it waited 30 s for it, then SIGKILLed)."""
+    server.start()
+    server.stop()
+    server._spawn()  # as start() does; the stopped server removed its postmaster.pid
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 10
+    assert not server.is_running()
+
+
 def test_the_fallback_socket_dir_is_removed_at_stop(scratch: Path) -> None:
     """A data dir too deep for a socket path next to it gets a socket dir in /tmp: stop()
     removes it."""
