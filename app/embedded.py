@@ -387,7 +387,7 @@ class LocalPostgres:
             )
 
     def lock(self) -> None:
-        """Hold, until this process ends, the exclusive lock of this data dir.
+        """Hold, until stop() or this process ends, the exclusive lock of this data dir.
 
         A lock file in the run dir, so that two processes never start, reuse or stop one
         server at once; PostgreSQL's own postmaster.pid check comes too late for that (after
@@ -474,6 +474,9 @@ class LocalPostgres:
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
+        if self._lock_file is not None:  # the server is down: another process may have it
+            self._lock_file.close()
+            self._lock_file = None
 
     def _reap(self, timeout: float) -> None:
         if self._process is not None:
