@@ -218,12 +218,14 @@ def start_serve(data: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
 
 
 def processes_in(folder: Path) -> list[int]:
-    """Processes working in `folder`: a postmaster and its children work in the data dir."""
+    """Processes working in `folder`: a postmaster and its children work in the data dir
+    (also once it is deleted, which the kernel marks in the link)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                if Path(os.readlink(entry / "cwd")) == folder.resolve():
+                cwd = os.readlink(entry / "cwd").removesuffix(" (deleted)")
+                if cwd == str(folder.resolve()):
                     found.append(int(entry.name))
     return found
 
@@ -430,3 +432,26 @@ def test_a_server_that_will_not_start_is_one_line_and_exit_3(scratch: Path) -> N
     assert "FATAL:  bogus data in lock file" in done.stderr
     assert f"(log: {data.parent / 'pg.run' / 'postgres.log'})" in done.stderr
     assert processes_in(data) == []
+
+
+def test_sigterm_during_initdb_leaves_nothing(scratch: Path) -> None:
+    """A SIGTERM while initdb runs: its temporary folder is removed, no data dir is left to
+    be mistaken for a usable one, and no process of it survives."""
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    data = root / "pg"
+    log = root / "serve.log"
+    process = start_serve(data, free_port(), log)
+    try:
+        deadline = time.monotonic() + 60
+        while not [p for p in root.glob(".pg.initdb-*") if (p / "base").exists()]:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.005)
+        [fresh] = root.glob(".pg.initdb-*")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 128 + signal.SIGTERM, log.read_text()
+        assert wait_gone(processes_in(fresh), 10) == []
+        assert sorted(p.name for p in root.iterdir()) == ["pg.run", "serve.log"]
+        assert "Traceback" not in log.read_text()
+    finally:
+        kill_leftovers(data, process)
