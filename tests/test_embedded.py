@@ -18,7 +18,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from app.embedded import LocalPostgres, PostgresError, free_port, wait_gone
+from app import embedded
+from app.embedded import LocalPostgres, PostgresError, SetupError, free_port, wait_gone
 from tests.support import TEST_SECRET
 from tests.support.cluster import INHERIT_BLOCKLIST, REPO_ROOT
 from tests.support.postgres import ScratchPostgres, start_standby
@@ -188,6 +189,19 @@ def test_a_failed_initdb_removes_only_what_it_created(scratch: Path) -> None:
     assert data.is_dir()
     assert not any(data.iterdir())
     assert sorted(p.name for p in folder.iterdir()) == ["pg", "pg.run"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs the server as another user")
+def test_root_without_the_service_user_is_a_setup_error(
+    scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As root with no `postgres` user: a SetupError that says so (`serve`: exit 2, one
+    line), before anything is created; not a KeyError from deep in chown or subprocess."""
+    monkeypatch.setattr(embedded, "SERVICE_USER", "cronlock-no-such-user")
+    folder = Path(tempfile.mkdtemp(dir=scratch))
+    with pytest.raises(SetupError, match="no `cronlock-no-such-user` system user"):
+        LocalPostgres(folder / "pg").start()
+    assert list(folder.iterdir()) == []
 
 
 # --- `python -m app serve` with the embedded server, as processes ----------------------------
