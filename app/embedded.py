@@ -364,7 +364,8 @@ class LocalPostgres:
         try:
             return Path(os.readlink(f"/proc/{pid}/cwd")) == self._data_dir
         except PermissionError:
-            # Another user's process (not root): only a server answering on its port counts.
+            # A process we may not inspect (another user's, or outside our namespace, as
+            # pid 1 can be): only a server answering on the port the file names counts.
             with contextlib.suppress(OSError, PostgresError):
                 return self._answers(self._running_port())
             return False
