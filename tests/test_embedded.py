@@ -3,15 +3,25 @@ real servers of their own (not the session's)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
 import pytest
 
-from app.embedded import LocalPostgres, PostgresError
+from app import embedded
+from app.embedded import LocalPostgres, PostgresError, SetupError, free_port, wait_gone
+from tests.support import TEST_SECRET
+from tests.support.cluster import INHERIT_BLOCKLIST, REPO_ROOT
 from tests.support.postgres import ScratchPostgres, start_standby
 
 # Starts PostgreSQL servers of its own (initdb, a kill -9, a standby): not in --fast.
@@ -118,3 +128,344 @@ async def test_standby_is_in_recovery_and_follows_the_primary(
         assert await fetchval(standby.dsn(), "SELECT seven FROM replicated") == 7
     finally:
         standby.stop("immediate")
+
+
+async def test_a_stale_pid_file_naming_another_process_is_no_server(
+    server: ScratchPostgres,
+) -> None:
+    """postmaster.pid left by a server that died, its pid now another live process (pid 1,
+    whose cwd is not the data dir), full or cut short: start() starts the server at once
+    rather than waiting for that process to answer, and PostgreSQL replaces its lock file."""
+    dsn = server.start()
+    server.kill()
+    pid_file = server.data_dir / "postmaster.pid"
+    for text in (f"1\n{server.data_dir}\n0\n{server.port}\n", "1\n"):
+        pid_file.write_text(text)
+        assert not server.is_running()
+        started = time.monotonic()
+        assert server.start() == dsn
+        assert server.spawned
+        assert time.monotonic() - started < 20
+        assert await fetchval(dsn, "SELECT 1") == 1
+        server.kill()
+
+
+def test_stop_right_after_the_spawn_does_not_wait(server: ScratchPostgres) -> None:
+    """stop() signals the process it spawned by its pid, even before the postmaster wrote
+    postmaster.pid (before, it waited 30 s for it, then SIGKILLed)."""
+    server.start()
+    server.stop()
+    server._spawn()  # as start() does; the stopped server removed its postmaster.pid
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 10
+    assert not server.is_running()
+
+
+def test_the_fallback_socket_dir_is_removed_at_stop(scratch: Path) -> None:
+    """A data dir too deep for a socket path next to it gets a socket dir in /tmp: stop()
+    removes it."""
+    deep = ScratchPostgres(scratch / ("d" * 100) / "pg")
+    deep.start()
+    try:
+        conf = (deep.data_dir / "cronlock.conf").read_text()
+        socket_dir = Path(conf.split("unix_socket_directories = '")[1].split("'")[0])
+        assert socket_dir.is_absolute()
+        assert socket_dir.is_dir()
+    finally:
+        deep.stop()
+    assert not socket_dir.exists()
+
+
+def test_a_failed_initdb_removes_only_what_it_created(scratch: Path) -> None:
+    """initdb runs into a fresh sibling folder: its failure deletes that, not the data dir
+    (an empty folder given as EMBEDDED_PG_DIR stays)."""
+    folder = scratch / "initdb-fails"
+    data = folder / "pg"
+    data.mkdir(parents=True)
+    broken = LocalPostgres(data, initdb_options=["--no-such-option"])
+    with pytest.raises(PostgresError, match="no-such-option"):
+        broken.start()
+    assert data.is_dir()
+    assert not any(data.iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == ["pg", "pg.run"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs the server as another user")
+def test_root_without_the_service_user_is_a_setup_error(
+    scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As root with no `postgres` user: a SetupError that says so (`serve`: exit 2, one
+    line), before anything is created; not a KeyError from deep in chown or subprocess."""
+    monkeypatch.setattr(embedded, "SERVICE_USER", "cronlock-no-such-user")
+    folder = Path(tempfile.mkdtemp(dir=scratch))
+    with pytest.raises(SetupError, match="no `cronlock-no-such-user` system user"):
+        LocalPostgres(folder / "pg").start()
+    assert list(folder.iterdir()) == []
+
+
+# --- `python -m app serve` with the embedded server, as processes ----------------------------
+
+
+def serve_command(port: int) -> list[str]:
+    return [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
+
+
+def serve_env(data: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(INHERIT_BLOCKLIST)}
+    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OUTBOX_ENABLED="false")
+    env.update(CRON_SECRET=TEST_SECRET, EMBEDDED_PG_DIR=str(data))
+    env.update(extra)
+    return env
+
+
+def start_serve(data: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            serve_command(port),
+            cwd=log.parent,
+            env=serve_env(data),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def processes_in(folder: Path) -> list[int]:
+    """Processes working in `folder`: a postmaster and its children work in the data dir
+    (also once it is deleted, which the kernel marks in the link)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                cwd = os.readlink(entry / "cwd").removesuffix(" (deleted)")
+                if cwd == str(folder.resolve()):
+                    found.append(int(entry.name))
+    return found
+
+
+def postmaster_of(data: Path) -> int | None:
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        pid = int((data / "postmaster.pid").read_text().splitlines()[0])
+        return pid if pid in processes_in(data) else None
+    return None
+
+
+def kill_leftovers(data: Path, *processes: subprocess.Popen[bytes]) -> None:
+    """Cleanup when a test failed: the serve processes, then a postmaster they left behind."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    pid = postmaster_of(data)
+    if pid is not None:
+        os.kill(pid, signal.SIGQUIT)
+        wait_gone([pid], 10)
+    for straggler in processes_in(data):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(straggler, signal.SIGKILL)
+
+
+def wait_healthy(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()
+        url = f"http://127.0.0.1:{port}/healthz"
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as answer:
+            if answer.status == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"serve not healthy after 90 s:\n{log.read_text()}")
+
+
+def notes_folder(root: Path) -> Path:
+    folder = root / "notes"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hi\n")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("a folder of other files", "no PG_VERSION"),
+        ("CRONLOCK_PG_BINDIR=/nonexistent", "CRONLOCK_PG_BINDIR=/nonexistent has no postgres"),
+        ("a short secret", "CRON_SECRET is shorter than 32 characters"),
+    ],
+)
+def test_serve_refuses_what_cannot_work_and_touches_nothing(
+    scratch: Path, case: str, message: str
+) -> None:
+    """Exit 2 with one line, before anything is created or changed: a folder of files that
+    is no data dir (initdb would fail there, and the old code then deleted the folder), bad
+    binaries, a bad secret (checked before the database is started and migrated)."""
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    data = notes_folder(root) if case == "a folder of other files" else root / "pg"
+    extra = {"CRONLOCK_PG_BINDIR": "/nonexistent"} if "BINDIR" in case else {}
+    if case == "a short secret":
+        extra["CRON_SECRET"] = "short"
+    before = sorted(p.name for p in root.iterdir())
+    done = subprocess.run(
+        serve_command(free_port()),
+        cwd=root,
+        env=serve_env(data, **extra),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert sorted(p.name for p in root.iterdir()) == before
+    if case == "a folder of other files":
+        assert (data / "notes.txt").read_text() == "hi\n"
+        assert sorted(p.name for p in data.iterdir()) == ["notes.txt"]
+        assert data.stat().st_uid == os.geteuid()
+
+
+def test_a_second_serve_on_the_same_folder_is_refused(scratch: Path) -> None:
+    """Two `serve` on one EMBEDDED_PG_DIR: the second exits 3 at once with one line, and
+    neither reuses nor stops the first one's server; the first stops it at SIGTERM."""
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    data = root / "pg"
+    first_log, second_log = root / "first.log", root / "second.log"
+    port = free_port()
+    first = start_serve(data, port, first_log)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        wait_healthy(port, first, first_log)
+        postmaster = postmaster_of(data)
+        assert postmaster is not None
+        second = start_serve(data, free_port(), second_log)
+        assert second.wait(30) == 3, second_log.read_text()
+        said = second_log.read_text()
+        assert said.count("\n") == 1, said
+        assert "in use by another process" in said
+        assert postmaster_of(data) == postmaster
+        wait_healthy(port, first, first_log)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 128 + signal.SIGTERM
+        assert wait_gone([postmaster], 10) == []
+        assert processes_in(data) == []
+    finally:
+        kill_leftovers(data, first, *([second] if second else []))
+
+
+def test_sigterm_while_serve_starts_the_embedded_server_stops_it(scratch: Path) -> None:
+    """A SIGTERM while `serve` waits for its fresh embedded server (or migrates it): the
+    server it spawned is stopped, not left running in its own session."""
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    data = root / "pg"
+    log = root / "serve.log"
+    process = start_serve(data, free_port(), log)
+    try:
+        deadline = time.monotonic() + 60
+        while postmaster_of(data) is None:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.005)
+        assert "Application startup" not in log.read_text()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 128 + signal.SIGTERM, log.read_text()
+        assert wait_gone(processes_in(data), 10) == []
+        assert "Traceback" not in log.read_text()
+    finally:
+        kill_leftovers(data, process)
+
+
+def test_two_serve_started_at_once_on_a_fresh_folder(scratch: Path) -> None:
+    """Started together on a new EMBEDDED_PG_DIR: one initialises and serves, the other
+    exits 3 (before, both ran initdb into the folder and the loser deleted it)."""
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    data = root / "pg"
+    ports = [free_port(), free_port()]
+    logs = [root / "a.log", root / "b.log"]
+    both = [start_serve(data, port, log) for port, log in zip(ports, logs, strict=True)]
+    try:
+        deadline = time.monotonic() + 60
+        while all(p.poll() is None for p in both):
+            assert time.monotonic() < deadline, [log.read_text() for log in logs]
+            time.sleep(0.05)
+        [loser] = [i for i, p in enumerate(both) if p.poll() is not None]
+        winner = 1 - loser
+        assert both[loser].returncode == 3, logs[loser].read_text()
+        assert "in use by another process" in logs[loser].read_text()
+        wait_healthy(ports[winner], both[winner], logs[winner])
+        both[winner].send_signal(signal.SIGTERM)
+        assert both[winner].wait(30) == 128 + signal.SIGTERM
+        assert wait_gone(processes_in(data), 10) == []
+        assert (data / "PG_VERSION").is_file()
+    finally:
+        kill_leftovers(data, *both)
+
+
+def test_serve_leaves_running_a_server_it_did_not_start(scratch: Path) -> None:
+    """A server already running in EMBEDDED_PG_DIR (left by a `serve` killed with SIGKILL,
+    say) is used, and still runs after `serve` exits."""
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    data = root / "pg"
+    found = LocalPostgres(data)
+    found.start()
+    log = root / "serve.log"
+    port = free_port()
+    process = start_serve(data, port, log)
+    try:
+        wait_healthy(port, process, log)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 128 + signal.SIGTERM
+        assert found.is_running()
+    finally:
+        found.stop()
+        kill_leftovers(data, process)
+
+
+def test_a_server_that_will_not_start_is_one_line_and_exit_3(scratch: Path) -> None:
+    """PostgreSQL refusing to start (here: a garbled postmaster.pid) is exit 3 with one line
+    naming its FATAL and its log, never a traceback."""
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    data = root / "pg"
+    made = LocalPostgres(data)
+    made.start()
+    made.stop()
+    (data / "postmaster.pid").write_text("garbled\n")
+    done = subprocess.run(
+        serve_command(free_port()),
+        cwd=root,
+        env=serve_env(data),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "FATAL:  bogus data in lock file" in done.stderr
+    assert f"(log: {data.parent / 'pg.run' / 'postgres.log'})" in done.stderr
+    assert processes_in(data) == []
+
+
+def test_sigterm_during_initdb_leaves_nothing(scratch: Path) -> None:
+    """A SIGTERM while initdb runs: its temporary folder is removed, no data dir is left to
+    be mistaken for a usable one, and no process of it survives."""
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    data = root / "pg"
+    log = root / "serve.log"
+    process = start_serve(data, free_port(), log)
+    try:
+        deadline = time.monotonic() + 60
+        while not [p for p in root.glob(".pg.initdb-*") if (p / "base").exists()]:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.005)
+        [fresh] = root.glob(".pg.initdb-*")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 128 + signal.SIGTERM, log.read_text()
+        assert wait_gone(processes_in(fresh), 10) == []
+        assert sorted(p.name for p in root.iterdir()) == ["pg.run", "serve.log"]
+        assert "Traceback" not in log.read_text()
+    finally:
+        kill_leftovers(data, process)
