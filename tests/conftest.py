@@ -161,6 +161,18 @@ async def database_url(clones: Clones) -> AsyncIterator[str]:
         yield url
 
 
+@pytest.fixture
+async def fresh_url(pg_server: PostgresServer) -> AsyncIterator[str]:
+    """An empty database (not migrated), dropped afterwards."""
+    name = unique_name("fresh")
+    admin = pg_server.dsn("postgres")
+    await create_database(admin, name)
+    try:
+        yield pg_server.dsn(name)
+    finally:
+        await drop_database(admin, name)
+
+
 @pytest.fixture(scope="module")
 async def module_database_url(
     request: pytest.FixtureRequest, pg_server: PostgresServer, template_database: str

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,7 +33,6 @@ from app import cli
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
-from tests.support.postgres import PostgresServer, create_database, drop_database, unique_name
 from tests.support.ui import csrf_of
 from tests.util import AUTH, effects, lock_held, post, runs, wait_for
 
@@ -421,32 +420,20 @@ def test_output_that_cannot_be_written(cli_env: dict[str, str]) -> None:
     assert (p.returncode, err) == (1, b"")
 
 
-@pytest.fixture
-async def unmigrated_url(pg_server: PostgresServer) -> AsyncIterator[str]:
-    """An empty database (not migrated), dropped afterwards."""
-    name = unique_name("cli_empty")
-    admin = pg_server.dsn("postgres")
-    await create_database(admin, name)
-    try:
-        yield pg_server.dsn(name)
-    finally:
-        await drop_database(admin, name)
-
-
 async def test_run_and_catch_up_never_migrate(
-    cli_env: dict[str, str], unmigrated_url: str, monkeypatch: pytest.MonkeyPatch,
+    cli_env: dict[str, str], fresh_url: str, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     """Like `jobs`, they refuse a database not migrated (migrations are `migrate`'s), even
     with MIGRATE_ON_START left on (the service's setting)."""
-    monkeypatch.setenv("DATABASE_URL", unmigrated_url)
+    monkeypatch.setenv("DATABASE_URL", fresh_url)
     monkeypatch.setenv("MIGRATE_ON_START", "true")
     for args in (["run", "fast"], ["catch-up"], ["jobs"]):
         result = await run_cli(capsys, *args)
         assert result.code == 3, (args, result.err)
         assert "migrations not applied" in result.err, (args, result.err)
         assert "(python -m app migrate)" in result.err
-    conn = await asyncpg.connect(unmigrated_url)
+    conn = await asyncpg.connect(fresh_url)
     try:
         assert await conn.fetchval("SELECT to_regnamespace('cronlock')") is None
     finally:

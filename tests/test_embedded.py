@@ -219,6 +219,20 @@ def serve_env(data: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def serve_once(cwd: Path, data: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    """`serve` run to its end (one that refuses to start), its output captured."""
+    return subprocess.run(
+        serve_command(free_port()),
+        cwd=cwd,
+        env=serve_env(data, **extra),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def start_serve(data: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         return subprocess.Popen(
@@ -305,16 +319,7 @@ def test_serve_refuses_what_cannot_work_and_touches_nothing(
     if case == "a short secret":
         extra["CRON_SECRET"] = "short"
     before = sorted(p.name for p in root.iterdir())
-    done = subprocess.run(
-        serve_command(free_port()),
-        cwd=root,
-        env=serve_env(data, **extra),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = serve_once(root, data, **extra)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert message in done.stderr
@@ -431,16 +436,7 @@ def test_a_server_that_will_not_start_is_one_line_and_exit_3(scratch: Path) -> N
     made.start()
     made.stop()
     (data / "postmaster.pid").write_text("garbled\n")
-    done = subprocess.run(
-        serve_command(free_port()),
-        cwd=root,
-        env=serve_env(data),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = serve_once(root, data)
     assert done.returncode == 3, done.stdout + done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert "FATAL:  bogus data in lock file" in done.stderr

@@ -14,7 +14,7 @@ import pytest
 
 from app.settings import Settings
 from tests.support.asgi import StartApp
-from tests.util import AUTH, post, wait_for
+from tests.util import AUTH, own_runner, post, wait_for
 
 FAST_RETRIES = {"cron_jobs": "tests.own_jobs", "retry_poll_interval": 0.1}
 
@@ -118,20 +118,13 @@ async def test_the_same_retry_is_made_once(
     """Two instances that both saw a failed attempt as due: the second to get the lock finds
     the retry made (checked under the lock) and skips, even after the first one ended."""
     from app import ledger, retries
-    from app.db import Database
-    from app.jobs import load
-    from app.runner import Runner
 
     settings = make_settings(cron_jobs="tests.own_jobs")
-    database = Database(settings)
-    await database.open()
-    try:
-        await database.check(apply_migrations=False)
-        runner = Runner(settings, load(settings.job_modules), database)
+    async with own_runner(settings) as runner:
         job = runner.registry["always-fails"]
         assert (await runner.trigger(job)).kind == "failed"
         now = await db.fetchval("SELECT now() + interval '1 minute'")  # past the delay
-        async with database.connection() as conn:
+        async with runner.db.connection() as conn:
             # A window of two hours: the hourly job's slot began up to an hour before now (a
             # one-hour window failed this test in the last minute of every hour).
             found = await retries.pending(conn, runner.registry, now, 7200)
@@ -144,8 +137,6 @@ async def test_the_same_retry_is_made_once(
         assert (second.kind, second.reason) == ("skipped", "already retried")
         rows = await ledger.list_runs(db, "cronlock", job="always-fails")
         assert sorted(r.attempt for r in rows) == [1, 2]
-    finally:
-        await database.close()
 
 
 async def test_a_retry_that_cannot_be_made_is_said_once_and_a_paused_jobs_retries_wait(
@@ -157,16 +148,9 @@ async def test_a_retry_that_cannot_be_made_is_said_once_and_a_paused_jobs_retrie
     its retry is refused, and said once, not at every pass of the loop. A paused job's due
     retry waits without a word (and without an outcome) at every pass."""
     from app import pause, retries
-    from app.db import Database
-    from app.jobs import load
-    from app.runner import Runner
 
     settings = make_settings(cron_jobs="tests.own_jobs")
-    database = Database(settings)
-    await database.open()
-    try:
-        await database.check(apply_migrations=False)
-        runner = Runner(settings, load(settings.job_modules), database)
+    async with own_runner(settings) as runner:
         schedule = runner.registry["always-fails"].schedule
         assert schedule is not None
         now = await db.fetchval("SELECT now()")
@@ -191,8 +175,6 @@ async def test_a_retry_that_cannot_be_made_is_said_once_and_a_paused_jobs_retrie
             assert await retries.retry_once(runner, refused) == []
         assert not [r for r in caplog.records if "always-fails" in r.getMessage()]
         assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 1
-    finally:
-        await database.close()
 
 
 def test_the_retry_delay_doubles_and_no_retry_starts_past_max_lateness() -> None:

@@ -21,7 +21,7 @@ from app.runner import Runner
 from app.scheduler import Clock, jitter_bound
 from app.settings import Settings
 from tests.support.asgi import StartApp
-from tests.util import wait_for
+from tests.util import own_runner, wait_for
 
 
 async def succeeded_slots(db: asyncpg.Connection, job: str) -> list[tuple[datetime, str]]:
@@ -202,11 +202,7 @@ async def test_missed_policies_all_and_latest(
     from app import catchup, pause
 
     settings = make_settings(cron_jobs="tests.own_jobs")
-    database = Database(settings)
-    await database.open()
-    try:
-        await database.check(apply_migrations=False)
-        runner = Runner(settings, load(settings.job_modules), database)
+    async with own_runner(settings) as runner:
         now: datetime = await db.fetchval("SELECT date_trunc('second', now())")
         last = now - timedelta(seconds=6)
         for job in ("tick", "tick-latest"):
@@ -228,8 +224,6 @@ async def test_missed_policies_all_and_latest(
             for job in ("tick", "tick-latest"):
                 assert await pause.resume(db, "cronlock", job)
         outcomes = await catchup.catch_up(runner)
-    finally:
-        await database.close()
     ran = {(o.job, o.slot) for o in outcomes if o.kind == "succeeded"}
     tick = sorted(slot for job, slot in ran if job == "tick" and slot is not None)
     latest = [slot for job, slot in ran if job == "tick-latest"]
@@ -254,11 +248,7 @@ async def test_missed_all_says_where_its_look_back_stopped(
 
     monkeypatch.setattr(catchup, "MAX_ALL_TICKS", 3)
     settings = make_settings(cron_jobs="tests.own_jobs")
-    database = Database(settings)
-    await database.open()
-    try:
-        await database.check(apply_migrations=False)
-        runner = Runner(settings, load(settings.job_modules), database)
+    async with own_runner(settings) as runner:
         now: datetime = await db.fetchval("SELECT date_trunc('second', now())")
         await db.execute(
             "INSERT INTO cronlock.runs (job, slot, status, trigger, instance, started_at)"
@@ -274,8 +264,6 @@ async def test_missed_all_says_where_its_look_back_stopped(
             caplog.clear()
             await catchup.catch_up(runner)  # the 3 latest attempted now: nothing more seen
             assert not [r for r in caplog.records if "ticks back" in r.getMessage()]
-    finally:
-        await database.close()
 
 
 def test_missed_policy_declarations() -> None:

@@ -33,7 +33,7 @@ from app.schema import (
 from app.settings import Settings
 from app.sql import qualify
 from tests.support import TEST_SECRET
-from tests.support.postgres import PostgresServer, create_database, drop_database, unique_name
+from tests.support.postgres import unique_name
 from tests.support.provider import Provider
 from tests.util import post, wait_for
 
@@ -41,18 +41,6 @@ Starter = Callable[..., Any]
 REPO = Path(__file__).resolve().parent.parent
 LEGACY = Path(__file__).resolve().parent / "data" / "migrations_0_1"
 OURS = ("cronlock", "cronlock_demo")
-
-
-@pytest.fixture
-async def fresh_url(pg_server: PostgresServer) -> AsyncIterator[str]:
-    """An empty database (not migrated), dropped afterwards."""
-    name = unique_name("fresh")
-    admin = pg_server.dsn("postgres")
-    await create_database(admin, name)
-    try:
-        yield pg_server.dsn(name)
-    finally:
-        await drop_database(admin, name)
 
 
 @pytest.fixture

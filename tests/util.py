@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import httpx
@@ -14,7 +15,28 @@ import httpx
 from app.lock import LockKey, job_lock, lock_key
 from tests.support import TEST_SECRET
 
+if TYPE_CHECKING:
+    from app.runner import Runner
+    from app.settings import Settings
+
 AUTH = {"Authorization": f"Bearer {TEST_SECRET}"}
+
+
+@contextlib.asynccontextmanager
+async def own_runner(settings: Settings) -> AsyncIterator[Runner]:
+    """A Runner over a Database of its own (opened, its migrations checked, never applied),
+    closed afterwards: for tests that drive the runner, the retries or catch-up directly."""
+    from app.db import Database
+    from app.jobs import load
+    from app.runner import Runner
+
+    database = Database(settings)
+    await database.open()
+    try:
+        await database.check(apply_migrations=False)
+        yield Runner(settings, load(settings.job_modules), database)
+    finally:
+        await database.close()
 
 
 async def post(
