@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
-    from app.embedded import LocalPostgres, PostgresError, SetupError
+    from app.embedded import DataDirBusy, LocalPostgres, PostgresError, SetupError
 
     # Before anything starts: a SIGTERM while the embedded server starts (initdb, migrations)
     # must reach the `finally` below too, not kill us and leave the postmaster running in its
@@ -240,6 +240,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     settings = Settings()
     settings.check_secrets()
     settings.check_email()
+    settings.check_retention()
     embedded = None
     try:
         if not settings.database_url:
@@ -248,6 +249,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
                 os.environ["DATABASE_URL"] = start_embedded(embedded, settings, args.demo_users)
             except SetupError as exc:
                 return _fail(f"embedded PostgreSQL: {_one_line(exc)}", EXIT_USAGE)
+            except DataDirBusy as exc:  # another serve's server: its log is not ours to name
+                return _fail(f"embedded PostgreSQL: {_one_line(exc)}", EXIT_UNAVAILABLE)
             except PostgresError as exc:
                 log = embedded.log_path
                 return _fail(
@@ -271,8 +274,10 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             timeout_graceful_shutdown=math.ceil(settings.graceful_shutdown_timeout),
         )
     finally:
-        # Only a server this process started: one it found running belongs to someone else.
-        if embedded is not None and embedded.spawned:
+        # Only a server this process started: one it found running belongs to someone else
+        # (stop() itself signals only a postmaster that is this process's child, so a SIGTERM
+        # landing between the spawn and `spawned` being known leaves nothing either).
+        if embedded is not None:
             embedded.stop()
     return EXIT_OK
 
@@ -328,7 +333,8 @@ def start_embedded(server: LocalPostgres, settings: Settings, demo_users: int) -
         f"cronlock: DATABASE_URL is not set; using the embedded PostgreSQL in "
         f"{settings.embedded_pg_dir} ({admin})"
     )
-    url: str = asyncio.run(_prepare_embedded(server, admin, demo_users, settings))
+    with _translated():  # a server going away meanwhile is the database's trouble (exit 3)
+        url: str = asyncio.run(_prepare_embedded(server, admin, demo_users, settings))
     return url
 
 

@@ -84,6 +84,16 @@ def as_service_user() -> dict[str, Any]:
     return {"user": user, "group": user, "extra_groups": []}
 
 
+def _empty(path: Path) -> None:
+    """Remove what is inside `path`, not `path` itself (it may be a mount point)."""
+    for child in path.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                child.unlink()
+
+
 def prepare_dir(path: Path, mode: int = 0o700, *, own: bool = True) -> Path:
     """Create `path` for the service user: reachable through its parents and, if `own`,
     owned by it (a parent that merely holds our folders stays as it is)."""
@@ -363,14 +373,17 @@ class LocalPostgres:
             return True
         try:
             return Path(os.readlink(f"/proc/{pid}/cwd")) == self._data_dir
-        except PermissionError:
-            # A process we may not inspect (another user's, or outside our namespace, as
-            # pid 1 can be): only a server answering on the port the file names counts.
-            with contextlib.suppress(OSError, PostgresError):
-                return self._answers(self._running_port())
-            return False
+        except FileNotFoundError:
+            if Path("/proc/self").exists():
+                return False  # no such process
+            # No /proc at all (macOS): as below.
         except OSError:
-            return False
+            pass  # a process we may not inspect (another user's, or outside our namespace,
+            # as pid 1 can be): as below.
+        # Only a server answering on the port the file names counts.
+        with contextlib.suppress(OSError, PostgresError):
+            return self._answers(self._running_port())
+        return False
 
     def check(self) -> None:
         """Refuse, before anything is created or changed, what cannot work: no binaries, no
@@ -524,25 +537,35 @@ class LocalPostgres:
         return not self.is_running()
 
     def _initdb(self) -> None:
-        # Into a fresh sibling folder, renamed into place once complete: a failed or
+        parent = self._data_dir.parent
+        if self._data_dir.is_dir():
+            # An empty data dir (check() refused any other), perhaps a mount point (a volume),
+            # which no rename can replace: initdb into it, and on failure empty it again.
+            try:
+                self._run_initdb(prepare_dir(self._data_dir))
+            except BaseException:
+                _empty(self._data_dir)
+                raise
+            return
+        # Else into a fresh sibling folder, renamed into place once complete: a failed or
         # interrupted initdb leaves no half-initialised data dir to be mistaken for a usable
         # one, and the only folder ever deleted is the one made here.
-        parent = self._data_dir.parent
         fresh = prepare_dir(
             Path(tempfile.mkdtemp(prefix=f".{self._data_dir.name}.initdb-", dir=parent))
         )
         try:
-            args = [self.tool("initdb"), "-D", fresh.name, "-A", "trust", "-U", SUPERUSER]
-            args += ["--encoding=UTF8", "--locale=C", *self._initdb_options]
-            run_tool(args, timeout=120.0, cwd=parent)
-            conf = fresh / "postgresql.conf"
-            with conf.open("a") as f:
-                f.write(f"\n# cronlock: settings written at every start\n{INCLUDE_LINE}\n")
-            # Replaces an empty data dir (check refused any other).
+            self._run_initdb(fresh)
             os.replace(fresh, self._data_dir)
         except BaseException:
             shutil.rmtree(fresh, ignore_errors=True)
             raise
+
+    def _run_initdb(self, target: Path) -> None:
+        args = [self.tool("initdb"), "-D", target.name, "-A", "trust", "-U", SUPERUSER]
+        args += ["--encoding=UTF8", "--locale=C", *self._initdb_options]
+        run_tool(args, timeout=120.0, cwd=target.parent)
+        with (target / "postgresql.conf").open("a") as f:
+            f.write(f"\n# cronlock: settings written at every start\n{INCLUDE_LINE}\n")
 
     def _running_port(self) -> int:
         # postmaster.pid line 4 is the port the running server listens on.

@@ -177,18 +177,38 @@ def test_the_fallback_socket_dir_is_removed_at_stop(scratch: Path) -> None:
     assert not socket_dir.exists()
 
 
-def test_a_failed_initdb_removes_only_what_it_created(scratch: Path) -> None:
-    """initdb runs into a fresh sibling folder: its failure deletes that, not the data dir
-    (an empty folder given as EMBEDDED_PG_DIR stays)."""
-    folder = scratch / "initdb-fails"
+@pytest.mark.parametrize("given", ["an empty folder", "no folder"])
+def test_a_failed_initdb_removes_only_what_it_created(scratch: Path, given: str) -> None:
+    """An empty folder given as EMBEDDED_PG_DIR (a volume's mount point, say) is initialised
+    in place, and a failure empties it again, leaving the folder; with none, initdb runs into
+    a fresh sibling folder renamed into place, and a failure deletes only that."""
+    folder = scratch / f"initdb-fails-{given.replace(' ', '-')}"
     data = folder / "pg"
-    data.mkdir(parents=True)
+    (data if given == "an empty folder" else folder).mkdir(parents=True)
     broken = LocalPostgres(data, initdb_options=["--no-such-option"])
     with pytest.raises(PostgresError, match="no-such-option"):
         broken.start()
-    assert data.is_dir()
-    assert not any(data.iterdir())
-    assert sorted(p.name for p in folder.iterdir()) == ["pg", "pg.run"]
+    if given == "an empty folder":
+        assert data.is_dir()
+        assert not any(data.iterdir())
+        assert sorted(p.name for p in folder.iterdir()) == ["pg", "pg.run"]
+    else:
+        assert sorted(p.name for p in folder.iterdir()) == ["pg.run"]
+
+
+def test_an_empty_data_dir_is_initialised_in_place(scratch: Path) -> None:
+    """The folder itself, not a replacement renamed over it: a mount point cannot be renamed
+    over (EBUSY), so a volume mounted at EMBEDDED_PG_DIR must be initialised where it is."""
+    data = scratch / "in-place" / "pg"
+    data.mkdir(parents=True)
+    inode = data.stat().st_ino
+    server = LocalPostgres(data)
+    try:
+        server.start()
+        assert data.stat().st_ino == inode
+        assert (data / "PG_VERSION").exists()
+    finally:
+        server.stop()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root runs the server as another user")
@@ -398,6 +418,7 @@ def test_two_serve_started_at_once_on_a_fresh_folder(scratch: Path) -> None:
         winner = 1 - loser
         assert both[loser].returncode == 3, logs[loser].read_text()
         assert "in use by another process" in logs[loser].read_text()
+        assert "(log: " not in logs[loser].read_text()  # the other's log is not this one's
         wait_healthy(ports[winner], both[winner], logs[winner])
         both[winner].send_signal(signal.SIGTERM)
         assert both[winner].wait(30) == 128 + signal.SIGTERM
