@@ -222,3 +222,30 @@ async def test_retries_across_processes(
         (2, "succeeded", "i2"),
     ]
     assert rows[1]["source"] == "retry"
+
+
+async def test_a_failed_attempt_is_not_made_again_by_another_instances_tick(
+    start_instances: Callable[..., list[Instance]], db: asyncpg.Connection
+) -> None:
+    """A job that fails at once, no retries, three scheduler processes with jitter: the
+    instances whose tick comes after the first attempt failed (its lock already free) find the
+    slot attempted, under the lock, and skip it ("already attempted"): one attempt per slot,
+    not one per instance."""
+    env = {"CRON_JOBS": "tests.sched_jobs", "SCHEDULER_ENABLED": "true", "SCHEDULER_JITTER": "0.25"}
+    start_instances(["i1", "i2", "i3"], env=env)
+    count = (
+        "SELECT slot, count(*) AS n FROM cronlock.runs"
+        " WHERE job = 'fails-each-second' GROUP BY slot ORDER BY slot"
+    )
+
+    async def four_slots() -> bool:
+        return len(await db.fetch(count)) >= 4
+
+    await wait_for(four_slots, 15, "four slots attempted")
+    await asyncio.sleep(0.5)  # every instance has fired for the newest of them by now
+    found = await db.fetch(count)
+    assert {r["slot"]: r["n"] for r in found} == {r["slot"]: 1 for r in found}
+    statuses = await db.fetch("SELECT DISTINCT status, attempt, source FROM cronlock.runs")
+    assert [(r["status"], r["attempt"], r["source"]) for r in statuses] == [
+        ("failed", 1, "scheduler")
+    ]

@@ -65,31 +65,6 @@ async def test_two_instances_one_run_per_slot_no_gap(
     assert others == 0
 
 
-async def test_a_failed_attempt_is_not_made_again_by_another_instances_tick(
-    start_app: StartApp, db: asyncpg.Connection
-) -> None:
-    """A job that fails at once, no retries, three schedulers with jitter: the instances whose
-    tick comes after the first attempt failed (its lock already free) find the slot attempted,
-    under the lock, and skip it ("already attempted"): one attempt per slot, not one each."""
-    env = {"cron_jobs": "tests.sched_jobs", "scheduler_enabled": True, "scheduler_jitter": 0.25}
-    for name in ("a", "b", "c"):
-        await start_app(name, **env)
-    count = (
-        "SELECT slot, count(*) AS n FROM cronlock.runs WHERE job = 'fails-each-second'"
-        " GROUP BY slot ORDER BY slot"
-    )
-
-    async def four_slots() -> bool:
-        return len(await db.fetch(count)) >= 4
-
-    await wait_for(four_slots, 10, "four slots attempted")
-    await asyncio.sleep(0.5)  # every instance has fired for the newest of them by now
-    attempts = {r["slot"]: r["n"] for r in await db.fetch(count)}
-    assert set(attempts.values()) == {1}, attempts
-    statuses = await db.fetch("SELECT DISTINCT status, attempt FROM cronlock.runs")
-    assert [(r["status"], r["attempt"]) for r in statuses] == [("failed", 1)]
-
-
 async def test_a_ticker_that_fails_is_logged_and_starts_again(
     start_app: StartApp, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
