@@ -62,6 +62,23 @@ async def items(db: asyncpg.Connection, job: str) -> int:
     return int(await db.fetchval("SELECT count(*) FROM lease_effects WHERE job = $1", job))
 
 
+async def items_under_way(
+    client: httpx.AsyncClient, url: str, effects_table: asyncpg.Connection, done: int
+) -> int:
+    """A lease-items run of 16 items in steps of 2 (0.3 s each), once `done` items are in;
+    its run id."""
+    r = await client.post(
+        f"{url}/cron/lease-items", headers=AUTH, json={"n": 16, "batch": 2, "pause": 0.3}
+    )
+    run_id: int = r.json()["run_id"]
+
+    async def some_done() -> bool:
+        return await items(effects_table, "lease-items") >= done
+
+    await wait_for(some_done, 10, f"{done} items")
+    return run_id
+
+
 async def test_a_lease_run_answers_202_and_works_in_fenced_steps(
     start_app: Starter, client: httpx.AsyncClient, effects_table: asyncpg.Connection
 ) -> None:
@@ -195,15 +212,7 @@ async def test_a_trigger_takes_an_expired_run_over_and_the_old_holder_is_fenced_
     fence stops it: its next step finds the run no longer its own and commits nothing."""
     a = await start(start_app, "a", lease_poll_interval=600)
     b = await start(start_app, "b", lease_poll_interval=600)
-    r = await client.post(
-        f"{a.url}/cron/lease-items", headers=AUTH, json={"n": 16, "batch": 2, "pause": 0.3}
-    )
-    first = r.json()["run_id"]
-
-    async def some_done() -> bool:
-        return await items(effects_table, "lease-items") >= 4
-
-    await wait_for(some_done, 10, "a few steps")
+    first = await items_under_way(client, a.url, effects_table, 4)
     # The lease runs out under the holder's feet (a pause it did not see).
     await effects_table.execute(
         "UPDATE cronlock.runs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
@@ -250,15 +259,7 @@ async def test_a_holder_whose_newest_steps_the_database_lost_hands_the_run_over(
     fewer steps than it committed, so it gives the run up instead of carrying on from its own
     checkpoint; the takeover resumes from the database's, and every item is there once."""
     a = await start(start_app)
-    r = await client.post(
-        f"{a.url}/cron/lease-items", headers=AUTH, json={"n": 16, "batch": 2, "pause": 0.3}
-    )
-    first = r.json()["run_id"]
-
-    async def some_done() -> bool:
-        return await items(effects_table, "lease-items") >= 6
-
-    await wait_for(some_done, 10, "three steps")
+    first = await items_under_way(client, a.url, effects_table, 6)
     async with effects_table.transaction():
         # The row first: its lock waits for a step in flight, and holds off the next one.
         await effects_table.execute(
