@@ -1,7 +1,9 @@
-# cronlock: slim, non-root, served by `python -m app serve` (uvicorn with the app factory).
+# cronlock: slim, non-root. The image holds the library's wheel and this repository's service
+# shell (app/), and runs `python -m app serve` (uvicorn with the app factory).
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY cronlock ./cronlock
 COPY app ./app
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
@@ -10,6 +12,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 LOG_FORMAT=json
 RUN useradd --system --uid 10001 --home-dir /app cronlock
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+COPY --from=build /src/app /app/app
 USER cronlock
 WORKDIR /app
 EXPOSE 8000

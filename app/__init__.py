@@ -1,3 +1,5 @@
-"""cronlock: scheduled jobs that run exactly once across instances sharing one primary."""
+"""This repository's deployable service: a thin shell over the `cronlock` library.
 
-__version__ = "0.1.0"
+`python -m app ...` and `uvicorn --factory app.main:create_app` in a checkout do what
+`python -m cronlock ...` and `cronlock.service:create_app` do; the wheel ships `cronlock` alone.
+"""

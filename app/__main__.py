@@ -1,6 +1,6 @@
-"""`python -m app ...`: see app/cli.py."""
+"""`python -m app ...` in a checkout: the `cronlock` command line."""
 
-from app.cli import main
+from cronlock.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

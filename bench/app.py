@@ -12,9 +12,9 @@ from __future__ import annotations
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from app import main
-from app.deps import DatabaseDep, error
-from app.errors import DatabaseUnavailable
+from cronlock import service as main
+from cronlock.errors import DatabaseUnavailable
+from cronlock.web.deps import DatabaseDep, error
 
 router = APIRouter(prefix="/bench", tags=["bench"], include_in_schema=False)
 

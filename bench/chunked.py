@@ -1,4 +1,4 @@
-"""The digest as a lease job at scale: `chunked-digest` (app/demo/chunked.py) over 10,000,000
+"""The digest as a lease job at scale: `chunked-digest` (cronlock/demo/chunked.py) over 10,000,000
 users (90 % enabled), against the set-based floor (the one-transaction digest's statement run
 from psql), with the longest transaction sampled from pg_stat_activity throughout; then a run
 whose holder is killed (-9) about half way, which another instance takes over once the lease
@@ -89,7 +89,7 @@ async def run_chunked(
     name, _ = await fresh_copy(server, template)
     dsn = server.dsn(name)
     secret = new_secret()
-    env = instance_env(dsn, secret, jobs="app.demo.chunked", LEASE_POLL_INTERVAL="1")
+    env = instance_env(dsn, secret, jobs="cronlock.demo.chunked", LEASE_POLL_INTERVAL="1")
     instances = [
         PinnedInstance(f"bench-chunked-{n}", env, cpus=None, dir=workdir / f"{name}-{n}")
         for n in (1, 2)

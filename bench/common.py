@@ -26,7 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from app.embedded import LocalPostgres
+from cronlock.cli.embedded import LocalPostgres
 from tests.support.cluster import REPO_ROOT, Instance
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -80,7 +80,7 @@ def postgres(settings: dict[str, str] | None = None) -> Iterator[Server]:
 
 async def create_database(server: Server, *, template: str | None = None) -> str:
     """A new database (migrated when no template is given); its name."""
-    from app.schema import migrate, migration_sets
+    from cronlock.db.schema import migrate, migration_sets
 
     name = f"bench_{uuid.uuid4().hex[:10]}"
     conn = await asyncpg.connect(server.admin_dsn, statement_cache_size=0)
@@ -98,7 +98,7 @@ async def create_database(server: Server, *, template: str | None = None) -> str
     if template is None:
         conn = await asyncpg.connect(server.dsn(name), statement_cache_size=0)
         try:
-            await migrate(conn, "cronlock", migration_sets(["app.demo.digest"]))
+            await migrate(conn, "cronlock", migration_sets(["cronlock.demo.digest"]))
         finally:
             await conn.close()
     return name

@@ -27,10 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import asyncpg
 import httpx
 
-from app.demo.digest import DIGEST_SQL, SENDER
-from app.schedule import Schedule
-from app.schema import notify_channel
-from app.sql import qualify
 from bench.common import (
     PinnedInstance,
     Server,
@@ -46,9 +42,13 @@ from bench.common import (
     table,
     write_json,
 )
+from cronlock.core.schedule import Schedule
+from cronlock.db.schema import notify_channel
+from cronlock.demo.digest import DIGEST_SQL, SENDER
+from cronlock.sql import qualify
 
 JOB = "daily-digest"
-SCHEDULE = Schedule.parse("0 7 * * *", "UTC")  # as app/demo/digest.py declares it
+SCHEDULE = Schedule.parse("0 7 * * *", "UTC")  # as cronlock/demo/digest.py declares it
 
 # The same for every variant: room for a bulk update of 1M rows without a checkpoint in the
 # middle of a run (each run starts after an explicit CHECKPOINT).
@@ -187,7 +187,7 @@ async def run_http(server: Server, template: str, users: int, workdir: Path) -> 
     secret = new_secret()
     instance = PinnedInstance(
         "bench-digest",
-        instance_env(server.dsn(name), secret, jobs="app.demo.digest"),
+        instance_env(server.dsn(name), secret, jobs="cronlock.demo.digest"),
         cpus=None,
         dir=workdir / name,
     )

@@ -7,7 +7,7 @@ import asyncio
 
 from pydantic import BaseModel, Field
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 
 EFFECTS_SQL = """
 CREATE TABLE IF NOT EXISTS bench_effects (

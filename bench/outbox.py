@@ -1,7 +1,7 @@
 """Outbox delivery throughput against a provider that answers after 50 ms.
 
 For 1 and 3 sender processes (each `python -m tests.outbox_worker`, the same loop as `python
--m app outbox drain`), queue enough emails for a few seconds of ideal work, let the senders
+-m cronlock outbox drain`), queue enough emails for a few seconds of ideal work, let the senders
 drain them, and report emails/s next to the ideal: senders x OUTBOX_CONCURRENCY / delay (each
 send slot can do at most one request per provider round trip). A ratio near 1 means claiming,
 marking and the database cost nothing next to the provider's latency.

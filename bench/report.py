@@ -81,7 +81,7 @@ the instance under load (py-spy, and CPU time per request from /proc) found, in 
 cost, and fixed without weakening a guarantee:
 
 1. The route dependencies (runner, settings, database) were plain `def`s: FastAPI runs those
-   in a worker thread, two thread hand-offs per trigger. Now `async def` (`app/deps.py`).
+   in a worker thread, two thread hand-offs per trigger. Now `async def` (`cronlock/web/deps.py`).
 2. Planning, not running, was most of the probe's database time: with no client statement
    cache (`statement_cache_size=0`, for PgBouncer) the ledger lookup and the `pg_locks` scan
    were planned at every trigger. The probe is now the `cronlock.probe` PL/pgSQL function
@@ -91,7 +91,7 @@ cost, and fixed without weakening a guarantee:
    time (one per job: the bench registers 25) and wrapped each route in its exception,
    body-limit and request layers, about as much CPU as the skip's own work. `POST
    /cron/<job>` is now handed to its handler by a small ASGI dispatcher inside the
-   authentication middleware (`TriggerDispatch` in `app/api.py`); the per-job routes stay
+   authentication middleware (`TriggerDispatch` in `cronlock/web/api.py`); the per-job routes stay
    for the OpenAPI document and answer whatever the dispatcher passes on. (b) is left an
    ordinary FastAPI route, as an application's own endpoint would be.
 4. Garbage collection: a full collection walked every object the app made at start-up

@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import asyncpg
 import httpx
 
-from app.lock import job_lock
 from bench.common import (
     PERCENTILES,
     PinnedInstance,
@@ -60,6 +59,7 @@ from bench.common import (
     wrk_script,
 )
 from bench.jobs import ROTATION, done_job, running_job
+from cronlock.db.lock import job_lock
 from tests.support.cluster import PgBouncer
 
 

@@ -3,7 +3,7 @@ tests.jobs so that no other test's instance catches it up behind its back."""
 
 from __future__ import annotations
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 from tests.jobs import record
 
 

@@ -4,7 +4,7 @@ commit outlast DB_QUERY_TIMEOUT. Their objects are temporary and dropped at comm
 
 from __future__ import annotations
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 from tests.jobs import Sleep, record
 
 

@@ -43,7 +43,7 @@ from tests.support.postgres import (
 from tests.support.provider import Provider
 
 if TYPE_CHECKING:
-    from app.settings import Settings
+    from cronlock.settings import Settings
     from tests.support.patroni import PatroniCluster
 
 CLUSTER_FIXTURES = ("pgbouncer", "start_nginx", "make_cluster")
@@ -129,15 +129,15 @@ def pg_server() -> Iterator[PostgresServer]:
 @pytest.fixture(scope="session")
 async def template_database(pg_server: PostgresServer) -> AsyncIterator[str]:
     """A database migrated once per session, cloned by `database_url` for every test."""
-    from app.schema import migrate, migration_sets
+    from cronlock.db.schema import migrate, migration_sets
 
     name = unique_name("cronlock_template")
     admin = pg_server.dsn("postgres")
     await create_database(admin, name)
     conn = await asyncpg.connect(pg_server.dsn(name), statement_cache_size=0)
     try:
-        # cronlock's and the demo's (tests load app.demo.digest too), as instances would.
-        await migrate(conn, "cronlock", migration_sets(["app.demo.digest"]))
+        # cronlock's and the demo's (tests load cronlock.demo.digest too), as instances would.
+        await migrate(conn, "cronlock", migration_sets(["cronlock.demo.digest"]))
     finally:
         await conn.close()
     yield name
@@ -202,7 +202,7 @@ async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
 @pytest.fixture
 def make_settings(database_url: str) -> Callable[..., Settings]:
     """`make_settings(**overrides)`: Settings for this test's database, short timers, no .env."""
-    from app.settings import Settings
+    from cronlock.settings import Settings
 
     def make(**overrides: Any) -> Settings:
         values: dict[str, Any] = {
@@ -248,7 +248,7 @@ async def start_app(
 
     Returned once ready, as `start_instance`: /readyz = 200 on this test's database, or
     /healthz = 200 when `database_url` points elsewhere."""
-    from app.main import create_app
+    from cronlock.service import create_app
 
     started = request.node.stash.setdefault(INSTANCES_KEY, [])
     async with contextlib.AsyncExitStack() as stack:

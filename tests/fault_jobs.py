@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 from tests.jobs import Sleep
 
 # The key of the gate a `gated` run waits for, plus the run's `key` param: far from any

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 
 EFFECTS_SQL = """
 CREATE TABLE IF NOT EXISTS job_effects (

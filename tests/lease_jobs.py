@@ -14,7 +14,7 @@ from typing import Literal
 import asyncpg
 from pydantic import BaseModel, Field
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 
 LEASE = 2.0
 LEASE_ENV = {"DB_QUERY_TIMEOUT": "0.5", "LEASE_MARGIN": "0.2", "LEASE_POLL_INTERVAL": "0.2"}

@@ -1,6 +1,6 @@
 """A dedicated sender process for the tests: `python -m tests.outbox_worker [--once]`.
 
-Settings come from the environment only (never a stray `.env`), like `python -m app outbox
+Settings come from the environment only (never a stray `.env`), like `python -m cronlock outbox
 drain` in production; SIGTERM stops it gracefully.
 """
 
@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from app import logs, sender
-from app.settings import Settings
+from cronlock import logs
+from cronlock.delivery import sender
+from cronlock.settings import Settings
 
 
 def main(argv: list[str]) -> int:

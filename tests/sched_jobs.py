@@ -3,7 +3,7 @@ once, every second, and has no retries, so each slot should see exactly one atte
 
 from __future__ import annotations
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 
 
 @job("fails-each-second", every=1, grace=1, timeout=5)

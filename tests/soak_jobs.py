@@ -1,4 +1,4 @@
-"""The soak's jobs (CRON_JOBS=tests.soak_jobs,app.demo.digest): one of every shape. Each
+"""The soak's jobs (CRON_JOBS=tests.soak_jobs,cronlock.demo.digest): one of every shape. Each
 writes one effect row in its run's transaction, with its writer (instance, backend pid) and
 the database clock when it started and when it wrote: the span [started, ended] lies inside
 the span the run held its lock, so two runs of one job (or key) whose spans overlap held the
@@ -10,7 +10,7 @@ import asyncio
 
 from pydantic import BaseModel, Field
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 
 EFFECTS_SQL = """
 CREATE TABLE IF NOT EXISTS soak_effects (
@@ -94,7 +94,7 @@ async def soak_minutely(ctx: JobContext) -> int:
 
 # --- lease mode ----------------------------------------------------------------------------
 
-# Above what the soak's DB_QUERY_TIMEOUT (3 s) and LEASE_MARGIN (1 s) need (app/jobs.py
+# Above what the soak's DB_QUERY_TIMEOUT (3 s) and LEASE_MARGIN (1 s) need (cronlock/core/jobs.py
 # check_leases): a holder renews every third of it and stops with 4 s still left.
 LEASE = 8.0
 

@@ -9,7 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from app.metrics import Metrics
+from cronlock.core.metrics import Metrics
 from tests.support.binaries import require_binary
 
 REPO = Path(__file__).resolve().parent.parent

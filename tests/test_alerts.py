@@ -1,5 +1,5 @@
-"""Alerts (app/alerts.py): Standard Webhooks signatures, the events, once per (job, slot)
-across instances, and the proof with real processes: the receiver down for a while and an
+"""Alerts (cronlock/delivery/alerts.py): Standard Webhooks signatures, the events, once per (job,
+slot) across instances, and the proof with real processes: the receiver down for a while and an
 instance killed mid-send, every alert arrives, each id accepted once."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from app.alerts import sign, verify, webhook_key
-from app.settings import SettingsError
+from cronlock.delivery.alerts import sign, verify, webhook_key
+from cronlock.settings import SettingsError
 from tests.lease_jobs import LEASE_SETTINGS, create_effects
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance

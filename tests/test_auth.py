@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from app.auth import (
+from cronlock.web.auth import (
     Access,
     BearerAuth,
     bearer_token,
@@ -75,7 +75,7 @@ def test_matches_any_candidate_and_nothing_else() -> None:
         ("GET", "/api/cron/jobs", Access.RUN),
         ("POST", "/healthz/", Access.RUN),
         ("POST", "/metrics", Access.METRICS),
-        # The dashboard's own session check decides there (app/ui/session.py).
+        # The dashboard's own session check decides there (cronlock/web/ui/session.py).
         ("GET", "/ui/", Access.SESSION),
         ("POST", "/ui/jobs/fast/run", Access.SESSION),
         ("GET", "/ui", Access.SESSION),

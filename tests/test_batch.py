@@ -17,9 +17,9 @@ import asyncpg
 import httpx
 import pytest
 
-from app import outbox
-from app.mailer import Email as Message
-from app.mailer import HttpMailer, batch_bytes, classify_batch, classify_response
+from cronlock.delivery import outbox
+from cronlock.delivery.mailer import Email as Message
+from cronlock.delivery.mailer import HttpMailer, batch_bytes, classify_batch, classify_response
 from tests.support.delivery import (
     API_KEY,
     MakeSettings,

@@ -1,5 +1,5 @@
-"""Cancel that works (app/cancel.py): the database-side fallback for a holder that does not
-react, and its check that the pid still holds the job's lock (behind PgBouncer a backend pid
+"""Cancel that works (cronlock/core/cancel.py): the database-side fallback for a holder that does
+not react, and its check that the pid still holds the job's lock (behind PgBouncer a backend pid
 may serve someone else by then). The holder's own reaction is in tests/test_cli.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from app.cancel import signal_holder
+from cronlock.core.cancel import signal_holder
 from tests.support.cluster import Instance
 from tests.test_cli import cli_env, run_cli  # noqa: F401 - cli_env is a fixture
 from tests.util import effects, job_key, lock_held, post, wait_for

@@ -1,7 +1,7 @@
 """The operator's command line against a real database and real instances: the same views as
 the HTTP API (`--json`), tables for people, exit codes, trigger, cancel, outbox, catch-up.
 
-Most commands run in-process (`app.cli.main` in a worker thread, as `python -m app` calls it),
+Most commands run in-process (`app.cli.main` in a worker thread, as `python -m cronlock` calls it),
 against an instance in-process too where the CLI reaches it through the database only; the
 ones whose process boundary matters (exit status, the secret's way in, `trigger` over HTTP,
 `serve`) run as processes.
@@ -29,7 +29,7 @@ import asyncpg
 import httpx
 import pytest
 
-from app import cli
+from cronlock.cli import main as cli
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
@@ -79,7 +79,7 @@ def run_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[
     full.update(env)
     full["PYTHONPATH"] = str(REPO)
     return subprocess.run(
-        [sys.executable, "-m", "app", *args],
+        [sys.executable, "-m", "cronlock", *args],
         env=full,
         capture_output=True,
         text=True,
@@ -335,8 +335,8 @@ async def test_bad_values_the_commands_see_later_are_exit_2_too(
     assert "cannot write" in r.err
     assert "Traceback" not in r.err
     # A value the database refuses on a command's own statement: the caller's, exit 2.
-    from app.errors import InvalidInput
-    from app.settings import Settings
+    from cronlock.errors import InvalidInput
+    from cronlock.settings import Settings
 
     async def refused() -> None:
         async with cli._connection(Settings()) as conn:
@@ -404,7 +404,7 @@ def test_settings_that_cannot_be_read_are_exit_2(cli_env: dict[str, str], tmp_pa
 
 @pytest.mark.slow
 def test_output_that_cannot_be_written(cli_env: dict[str, str]) -> None:
-    args = [sys.executable, "-m", "app", "schedule", "export", "--format", "crontab"]
+    args = [sys.executable, "-m", "cronlock", "schedule", "export", "--format", "crontab"]
     env = {**os.environ, **cli_env, "PYTHONPATH": str(REPO)}
     # A full disk: the file's error, exit 1, not the database's (exit 3).
     with open("/dev/full", "w") as full:
@@ -432,7 +432,7 @@ async def test_run_and_catch_up_never_migrate(
         result = await run_cli(capsys, *args)
         assert result.code == 3, (args, result.err)
         assert "migrations not applied" in result.err, (args, result.err)
-        assert "(python -m app migrate)" in result.err
+        assert "(python -m cronlock migrate)" in result.err
     conn = await asyncpg.connect(fresh_url)
     try:
         assert await conn.fetchval("SELECT to_regnamespace('cronlock')") is None
@@ -745,12 +745,12 @@ async def test_catch_up_runs_a_missed_slot_once(
 
 
 class Served(Instance):
-    """`python -m app serve`, as the README's first command and the Dockerfile run it, in a
+    """`python -m cronlock serve`, as the README's first command and the Dockerfile run it, in a
     folder of its own (where `var/` would go)."""
 
     def command(self) -> list[str]:
         host_port = ["--host", "127.0.0.1", "--port", str(self.port)]
-        return [sys.executable, "-m", "app", "serve", *host_port]
+        return [sys.executable, "-m", "cronlock", "serve", *host_port]
 
     def cwd(self) -> Path:
         return self.dir

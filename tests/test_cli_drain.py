@@ -1,4 +1,4 @@
-"""`python -m app outbox drain`: a dedicated sender process."""
+"""`python -m cronlock outbox drain`: a dedicated sender process."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ async def test_drain_once_sends_everything_due_and_exits(
     }
     done = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "app", "outbox", "drain", "--once"],
+        [sys.executable, "-m", "cronlock", "outbox", "drain", "--once"],
         env=env,
         capture_output=True,
         text=True,

@@ -13,7 +13,7 @@ import asyncpg
 import httpx
 import pytest
 
-from app.sizing import sizing
+from cronlock.ops.sizing import sizing
 from tests.support import TEST_SECRET, auth_headers
 from tests.support.binaries import require_binary
 from tests.support.cluster import Cluster, Instance, Nginx, PgBouncer, ServiceError

@@ -15,14 +15,14 @@ import asyncpg
 import httpx
 import pytest
 
-from app.db import Database
-from app.embedded import free_port
-from app.errors import DatabaseUnavailable, JobDefinitionError
-from app.jobs import Job, Registry, job, load
-from app.lock import hashtextextended, lock_key, probe
-from app.runner import Runner
-from app.schema import LOCK_SQL, cronlock_migrations, migrate_lock
-from app.settings import Settings
+from cronlock.cli.embedded import free_port
+from cronlock.core.jobs import Job, Registry, job, load
+from cronlock.core.runner import Runner
+from cronlock.db.lock import hashtextextended, lock_key, probe
+from cronlock.db.pool import Database
+from cronlock.db.schema import LOCK_SQL, cronlock_migrations, migrate_lock
+from cronlock.errors import DatabaseUnavailable, JobDefinitionError
+from cronlock.settings import Settings
 from tests.support.postgres import ScratchPostgres, start_standby
 from tests.util import AUTH, post, runs, wait_for
 

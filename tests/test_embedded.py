@@ -1,4 +1,4 @@
-"""The embedded server (app/embedded.py, as the tests extend it) and start_standby, against
+"""The embedded server (cronlock/cli/embedded.py, as the tests extend it) and start_standby, against
 real servers of their own (not the session's)."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from app import embedded
-from app.embedded import LocalPostgres, PostgresError, SetupError, free_port, wait_gone
+from cronlock.cli import embedded
+from cronlock.cli.embedded import LocalPostgres, PostgresError, SetupError, free_port, wait_gone
 from tests.support import TEST_SECRET
 from tests.support.cluster import INHERIT_BLOCKLIST, REPO_ROOT
 from tests.support.postgres import ScratchPostgres, start_standby
@@ -224,11 +224,11 @@ def test_root_without_the_service_user_is_a_setup_error(
     assert list(folder.iterdir()) == []
 
 
-# --- `python -m app serve` with the embedded server, as processes ----------------------------
+# --- `python -m cronlock serve` with the embedded server, as processes ----------------------------
 
 
 def serve_command(port: int) -> list[str]:
-    return [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    return [sys.executable, "-m", "cronlock", "serve", "--host", "127.0.0.1", "--port", str(port)]
 
 
 def serve_env(data: Path, **extra: str) -> dict[str, str]:

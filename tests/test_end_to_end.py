@@ -28,7 +28,7 @@ async def test_each_user_gets_exactly_one_email_per_slot(
         USERS,
     )
     env = {
-        "CRON_JOBS": "app.demo.digest",
+        "CRON_JOBS": "cronlock.demo.digest",
         "OUTBOX_ENABLED": "true",
         "EMAIL_BACKEND": "http",
         "EMAIL_API_URL": provider.url,

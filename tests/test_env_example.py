@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import PLACEHOLDER_SECRET, Settings, SettingsError
+from cronlock.settings import PLACEHOLDER_SECRET, Settings, SettingsError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / ".env.example"
 

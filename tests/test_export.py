@@ -17,9 +17,17 @@ from typing import Any
 import pytest
 import yaml
 
-from app.export import FORMATS, ExportError, export, job_lines, k8s_name, to_yaml, utc_lines
-from app.jobs import Job, JobContext, Registry
-from app.schedule import Schedule
+from cronlock.core.jobs import Job, JobContext, Registry
+from cronlock.core.schedule import Schedule
+from cronlock.ops.export import (
+    FORMATS,
+    ExportError,
+    export,
+    job_lines,
+    k8s_name,
+    to_yaml,
+    utc_lines,
+)
 from tests.support import TEST_SECRET
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
@@ -408,12 +416,22 @@ def test_yaml_writer_round_trips_tricky_values() -> None:
 def test_schedule_export_command(tmp_path: Path) -> None:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("CRON_", "DATABASE_"))},
-        "CRON_JOBS": "app.demo.digest,app.housekeeping",
+        "CRON_JOBS": "cronlock.demo.digest,cronlock.housekeeping",
         "PYTHONPATH": str(REPO),
     }
     out = tmp_path / "crontab"
     done = subprocess.run(
-        [sys.executable, "-m", "app", "schedule", "export", "--format", "crontab", "-o", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "cronlock",
+            "schedule",
+            "export",
+            "--format",
+            "crontab",
+            "-o",
+            str(out),
+        ],
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -426,7 +444,7 @@ def test_schedule_export_command(tmp_path: Path) -> None:
     )
     assert jobs == ["daily-digest", "ledger-prune"]
     bad = subprocess.run(
-        [sys.executable, "-m", "app", "schedule", "export", "--format", "cron"],
+        [sys.executable, "-m", "cronlock", "schedule", "export", "--format", "cron"],
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -439,7 +457,7 @@ def test_schedule_export_command(tmp_path: Path) -> None:
 def test_interval_jobs_export_as_exact_cron_or_not_at_all() -> None:
     """every=300 is `*/5 * * * *`; every=30 has no cron form: left out, with a note naming the
     built-in scheduler, in every format."""
-    from app.schedule import Interval
+    from cronlock.core.schedule import Interval
 
     jobs = [
         Job("five-minutes", _noop, schedule=Interval(300)),

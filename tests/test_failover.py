@@ -18,10 +18,10 @@ import asyncpg
 import httpx
 import pytest
 
-from app import db as dbmod
-from app.primary import parse_timeline, split_hosts
-from app.schema import migrate, migration_sets
-from app.settings import Settings
+from cronlock.db import pool as dbmod
+from cronlock.db.primary import parse_timeline, split_hosts
+from cronlock.db.schema import migrate, migration_sets
+from cronlock.settings import Settings
 from tests.lease_jobs import LEASE_SETTINGS, create_effects
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
@@ -66,7 +66,7 @@ async def new_primary(path: Path) -> ScratchPostgres:
     await create_database(server.dsn(), DBNAME)
     conn = await asyncpg.connect(server.dsn(DBNAME))
     try:
-        await migrate(conn, "cronlock", migration_sets(["app.demo.digest"]))
+        await migrate(conn, "cronlock", migration_sets(["cronlock.demo.digest"]))
         await conn.execute(
             "INSERT INTO cronlock_demo.users (email) "
             "SELECT 'user' || i || '@example.com' FROM generate_series(1, 5) AS i"
@@ -265,7 +265,7 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
             "lossy",
             database_url=url,
             db_connect_timeout=1.0,
-            cron_jobs="app.demo.digest",
+            cron_jobs="cronlock.demo.digest",
             outbox_enabled=True,
             email_backend="http",
             email_api_url=provider.url,

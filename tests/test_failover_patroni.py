@@ -27,7 +27,7 @@ import asyncpg
 import httpx
 import pytest
 
-from app.schema import migrate, migration_sets
+from cronlock.db.schema import migrate, migration_sets
 from tests.soak_jobs import LEASE_ITEMS_SQL
 from tests.support.cluster import Instance, Nginx, PgBouncer
 from tests.support.delivery import API_KEY
@@ -49,7 +49,7 @@ LEASE_STEPS = 10
 LEASE_PAUSE = 0.5
 
 ENV = {
-    "CRON_JOBS": "tests.jobs,tests.soak_jobs,app.demo.digest",
+    "CRON_JOBS": "tests.jobs,tests.soak_jobs,cronlock.demo.digest",
     # A run whose lease ran out is taken over within half a second of it.
     "LEASE_POLL_INTERVAL": "0.5",
     "OUTBOX_ENABLED": "true",
@@ -80,7 +80,7 @@ async def ha_url(patroni_cluster: PatroniCluster) -> str:
     await create_database(leader.dsn(), name)
     conn = await asyncpg.connect(leader.dsn(name))
     try:
-        await migrate(conn, "cronlock", migration_sets(["app.demo.digest"]))
+        await migrate(conn, "cronlock", migration_sets(["cronlock.demo.digest"]))
         await conn.execute(LEASE_ITEMS_SQL)  # the lease run's items (tests/soak_jobs.py)
         await conn.execute(
             "INSERT INTO cronlock_demo.users (email) "

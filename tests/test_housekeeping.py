@@ -10,16 +10,17 @@ from typing import Any
 import asyncpg
 import httpx
 
-from app import catchup, ops
-from app.db import Database
-from app.jobs import load
-from app.runner import Runner
-from app.settings import Settings
+from cronlock.core import catchup
+from cronlock.core.jobs import load
+from cronlock.core.runner import Runner
+from cronlock.db.pool import Database
+from cronlock.ops import views as ops
+from cronlock.settings import Settings
 from tests.support.asgi import StartApp
 from tests.util import effects, post, runs, wait_for
 
 Starter = Callable[..., Any]
-HOUSEKEEPING = {"CRON_JOBS": "tests.jobs,app.housekeeping", "LEDGER_RETENTION_DAYS": "30"}
+HOUSEKEEPING = {"CRON_JOBS": "tests.jobs,cronlock.housekeeping", "LEDGER_RETENTION_DAYS": "30"}
 
 
 async def seed(db: asyncpg.Connection, job: str, status: str, age: timedelta) -> int:
@@ -36,7 +37,7 @@ async def seed(db: asyncpg.Connection, job: str, status: str, age: timedelta) ->
 
 def test_housekeeping_is_in_the_default_jobs() -> None:
     settings = Settings(_env_file=None)
-    assert settings.job_modules == ["app.demo.digest", "app.housekeeping"]
+    assert settings.job_modules == ["cronlock.demo.digest", "cronlock.housekeeping"]
     registry = load(settings.job_modules)
     prune = registry["ledger-prune"]
     assert prune.schedule is not None
@@ -75,7 +76,7 @@ async def test_ledger_prune_keeps_the_retention_and_closes_abandoned_rows(
 
     # A scheduled trigger finds its slot done when it is the one caught up; forced, it runs
     # again as a manual run with nothing left to do.
-    job = load(["app.housekeeping"])["ledger-prune"]
+    job = load(["cronlock.housekeeping"])["ledger-prune"]
     assert job.schedule is not None
     now: datetime = await db.fetchval("SELECT now()")
     answer = (await post(client, i.url + "/cron/ledger-prune")).json()

@@ -1,5 +1,5 @@
 """Bad input is a 422 naming the parameter, never a 5xx: values PostgreSQL cannot take are
-refused before a statement sees them (app/inputs.py), and a refusal that still happens on a
+refused before a statement sees them (cronlock/inputs.py), and a refusal that still happens on a
 statement carrying the request's values is the client's 422, not a 503 (`db.translate`).
 In-process (the app behind httpx's ASGI transport), on a real database."""
 
@@ -17,11 +17,13 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from app import inputs, ledger, ops
-from app.db import Database
-from app.errors import DatabaseUnavailable, InvalidInput, translate
-from app.main import create_app
-from app.settings import Settings
+from cronlock import inputs
+from cronlock.core import ledger
+from cronlock.db.pool import Database
+from cronlock.errors import DatabaseUnavailable, InvalidInput, translate
+from cronlock.ops import views as ops
+from cronlock.service import create_app
+from cronlock.settings import Settings
 from tests.support.asgi import serve
 from tests.util import AUTH, runs
 

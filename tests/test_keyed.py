@@ -14,10 +14,10 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from app import jobs as jobs_module
-from app.errors import InvalidTrigger, JobDefinitionError
-from app.jobs import job, key_text, load, parse_params
-from app.lock import job_lock, lock_key
+from cronlock.core import jobs as jobs_module
+from cronlock.core.jobs import job, key_text, load, parse_params
+from cronlock.db.lock import job_lock, lock_key
+from cronlock.errors import InvalidTrigger, JobDefinitionError
 from tests.util import AUTH, lock_free, post, wait_for
 
 Starter = Callable[..., Any]
@@ -308,10 +308,10 @@ async def test_the_same_key_twice_at_once_runs_once_other_keys_go_on(
 async def test_two_keys_whose_lock_keys_collide_take_turns_and_each_runs(
     start_app: Starter, client: Any, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What app/lock.py `job_lock` says of a 64-bit collision, made on purpose: keys 7 and 8
+    """What cronlock/db/lock.py `job_lock` says of a 64-bit collision, made on purpose: keys 7 and 8
     get one lock text, so one key on the server. 8 answers "already running" while 7 runs
     (never both at once), then runs in its turn; each key's run is its own, once."""
-    from app import runner as runner_module
+    from cronlock.core import runner as runner_module
 
     def colliding(schema: str, job: str, key: str | None = None) -> str:
         return job_lock(schema, job, "7" if key in ("7", "8") else key)
@@ -428,7 +428,7 @@ async def test_the_cli_runs_a_key_and_lists_its_runs(
     tmp_path: Any,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from app import cli
+    from cronlock.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
     for name in list(os.environ):

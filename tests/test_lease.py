@@ -16,10 +16,11 @@ import asyncpg
 import httpx
 import pytest
 
-from app import lease, ops
-from app.errors import JobDefinitionError
-from app.jobs import job, load
-from app.settings import Settings
+from cronlock.core import lease
+from cronlock.core.jobs import job, load
+from cronlock.errors import JobDefinitionError
+from cronlock.ops import views as ops
+from cronlock.settings import Settings
 from tests.lease_jobs import LEASE_SETTINGS, create_effects
 from tests.util import AUTH, successor, wait_for
 
@@ -165,9 +166,9 @@ async def test_a_stale_token_commits_nothing_and_says_why(
     assert row is not None
     settings = make_settings(cron_jobs="tests.lease_jobs", **LEASE_SETTINGS)
     registry = load(settings.job_modules)
-    from app.db import Database
-    from app.errors import LeaseLost
-    from app.jobs import JobContext
+    from cronlock.core.jobs import JobContext
+    from cronlock.db.pool import Database
+    from cronlock.errors import LeaseLost
 
     db = Database(settings)
     await db.open()
@@ -396,8 +397,8 @@ async def test_keys_of_a_lease_job_run_at_once_one_run_per_key(
 ) -> None:
     """200 concurrent triggers for 20 keys over 3 instances: one run per key, and runs of
     different keys overlap in time."""
-    # The longest query timeout a 2 s lease allows (app/jobs.py `check_leases`): the storm's
-    # decisions queue behind one another on two cores.
+    # The longest query timeout a 2 s lease allows (cronlock/core/jobs.py `check_leases`): the
+    # storm's decisions queue behind one another on two cores.
     roomy = {"db_pool_max_size": 20, "db_query_timeout": 1.2, "lease_margin": 0.1}
     apps = [await start(start_app, name, **roomy) for name in ("a", "b", "c")]
     answers = await asyncio.gather(
@@ -433,7 +434,7 @@ async def test_the_probe_reads_a_live_lease(
 ) -> None:
     """The trigger path's first look answers "already running" from the lease alone (no
     advisory lock is held between steps), for lease jobs only."""
-    from app.lock import job_lock, lock_key, probe
+    from cronlock.db.lock import job_lock, lock_key, probe
 
     a = await start(start_app)
     r = await client.post(
@@ -456,14 +457,14 @@ def test_a_lease_is_declared_within_its_timeout() -> None:
 def test_a_lease_too_short_for_the_timeouts_refuses_to_start(
     make_settings: Callable[..., Settings],
 ) -> None:
-    from app.main import create_app
+    from cronlock.service import create_app
 
     with pytest.raises(JobDefinitionError, match=r"lease=2\.0 s is too short for DB_QUERY_TIMEOUT"):
         create_app(make_settings(cron_jobs="tests.lease_jobs"))
 
 
 def test_the_chunked_digest_is_a_lease_job() -> None:
-    registry = load(["app.demo.chunked"])
+    registry = load(["cronlock.demo.chunked"])
     assert registry["chunked-digest"].lease == 30
     assert json.dumps(registry["chunked-digest"].schedule.expr) == '"0 7 * * *"'  # type: ignore[union-attr]
 
@@ -474,7 +475,7 @@ async def test_the_cli_runs_a_lease_job_to_its_end(
     capsys: pytest.CaptureFixture[str],
     effects_table: asyncpg.Connection,
 ) -> None:
-    from app import cli
+    from cronlock.cli import main as cli
     from tests.lease_jobs import LEASE_ENV
 
     for name, value in {
@@ -695,7 +696,7 @@ async def test_the_chunked_digest_queues_one_email_per_enabled_user_in_steps(
 ) -> None:
     """The demo's lease job end to end: its users in chunks, the checkpoint the last user id,
     one email per enabled user for the slot, and a second trigger for the slot "already done"."""
-    a = await start_app("a", cron_jobs="app.demo.chunked")
+    a = await start_app("a", cron_jobs="cronlock.demo.chunked")
     await db.execute(
         "INSERT INTO cronlock_demo.users (email, digest_enabled) "
         "SELECT 'user' || g || '@example.com', g % 5 <> 0 FROM generate_series(1, 25) AS g"

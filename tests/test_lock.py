@@ -13,11 +13,11 @@ from typing import Any
 import asyncpg
 import pytest
 
-from app.db import Database
-from app.embedded import wheel_bindir
-from app.jobs import load
-from app.lock import reset_session, try_lock
-from app.runner import Runner
+from cronlock.cli.embedded import wheel_bindir
+from cronlock.core.jobs import load
+from cronlock.core.runner import Runner
+from cronlock.db.lock import reset_session, try_lock
+from cronlock.db.pool import Database
 from tests.support.postgres import ScratchPostgres
 
 

@@ -18,7 +18,7 @@ import pytest
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult
 
-from app.mailer import (
+from cronlock.delivery.mailer import (
     Email,
     HttpMailer,
     LogMailer,
@@ -31,7 +31,7 @@ from app.mailer import (
     parse_retry_after,
     payload_bytes,
 )
-from app.settings import Settings, SettingsError
+from cronlock.settings import Settings, SettingsError
 from tests.support.delivery import API_KEY
 from tests.support.provider import Provider, Reply
 from tests.support.smtp import SlowRelay

@@ -11,11 +11,11 @@ import asyncpg
 import httpx
 from prometheus_client import REGISTRY
 
-from app.jobs import load
-from app.main import create_app
-from app.metrics import Metrics
-from app.outcome import Outcome
-from app.settings import Settings
+from cronlock.core.jobs import load
+from cronlock.core.metrics import Metrics
+from cronlock.core.outcome import Outcome
+from cronlock.service import create_app
+from cronlock.settings import Settings
 from tests.support.asgi import StartApp
 from tests.support.metrics import METRICS_TOKEN, scrape, value
 from tests.util import post, runs, wait_for

@@ -14,10 +14,10 @@ import asyncpg
 import httpx
 import pytest
 
-from app import ops
-from app import pause as pause_state
-from app.jobs import load
-from app.schedule import Schedule
+from cronlock.core import pause as pause_state
+from cronlock.core.jobs import load
+from cronlock.core.schedule import Schedule
+from cronlock.ops import views as ops
 from tests.support import TEST_SECRET
 from tests.support.asgi import InProcess, StartApp
 from tests.support.metrics import METRICS_TOKEN, SCRAPE

@@ -23,14 +23,14 @@ from typing import Any
 import asyncpg
 import pytest
 
-from app import db as appdb
-from app import outbox
-from app import sender as delivery
-from app.demo.digest import DIGEST_SQL, SENDER
-from app.errors import DatabaseUnavailable
-from app.mailer import Email, HttpMailer, SendResult, SmtpMailer
-from app.schema import notify_channel
-from app.sql import qualify
+from cronlock.db import pool as appdb
+from cronlock.db.schema import notify_channel
+from cronlock.delivery import outbox
+from cronlock.delivery import sender as delivery
+from cronlock.delivery.mailer import Email, HttpMailer, SendResult, SmtpMailer
+from cronlock.demo.digest import DIGEST_SQL, SENDER
+from cronlock.errors import DatabaseUnavailable
+from cronlock.sql import qualify
 from tests.support.delivery import (
     API_KEY,
     MakeSettings,

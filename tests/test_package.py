@@ -25,7 +25,7 @@ def test_the_wheel_holds_only_the_product(tmp_path: Path) -> None:
     names = {n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in n}
     shipped_sql = {str(p.relative_to(REPO)) for p in (REPO / "app").rglob("*.sql")}
     modules = {str(p.relative_to(REPO)) for p in (REPO / "app").rglob("*.py")}
-    # The dashboard's templates and static files are product too (app/ui).
+    # The dashboard's templates and static files are product too (cronlock/web/ui).
     ui = {
         str(p.relative_to(REPO))
         for folder in ("templates", "static")

@@ -1,4 +1,4 @@
-"""Pause and resume (app/pause.py, app/control.py, the CLI's `pause` / `resume`).
+"""Pause and resume (cronlock/core/pause.py, cronlock/web/control.py, the CLI's `pause` / `resume`).
 
 In-process (`start_app`): what is under test is the state in the database and the two places
 it is checked (the probe, and under the lock); the several-instances proof is in

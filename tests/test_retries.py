@@ -1,5 +1,5 @@
-"""Retries cronlock owns (app/retries.py): one ledger row per attempt, for the same slot, by
-any instance; a trigger during an attempt is still "already running"; manual runs are not
+"""Retries cronlock owns (cronlock/core/retries.py): one ledger row per attempt, for the same slot,
+by any instance; a trigger during an attempt is still "already running"; manual runs are not
 retried; retries end when they run out."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from app.settings import Settings
+from cronlock.settings import Settings
 from tests.support.asgi import StartApp
 from tests.util import AUTH, own_runner, post, wait_for
 
@@ -117,7 +117,7 @@ async def test_the_same_retry_is_made_once(
 ) -> None:
     """Two instances that both saw a failed attempt as due: the second to get the lock finds
     the retry made (checked under the lock) and skips, even after the first one ended."""
-    from app import ledger, retries
+    from cronlock.core import ledger, retries
 
     settings = make_settings(cron_jobs="tests.own_jobs")
     async with own_runner(settings) as runner:
@@ -147,7 +147,7 @@ async def test_a_retry_that_cannot_be_made_is_said_once_and_a_paused_jobs_retrie
     """A failed run whose slot is no tick of the schedule any more (it changed in a deploy):
     its retry is refused, and said once, not at every pass of the loop. A paused job's due
     retry waits without a word (and without an outcome) at every pass."""
-    from app import pause, retries
+    from cronlock.core import pause, retries
 
     settings = make_settings(cron_jobs="tests.own_jobs")
     async with own_runner(settings) as runner:
@@ -183,9 +183,9 @@ def test_the_retry_delay_doubles_and_no_retry_starts_past_max_lateness() -> None
     from dataclasses import replace
     from datetime import UTC, datetime, timedelta
 
-    from app import retries
-    from app.jobs import Job
-    from app.ledger import Run
+    from cronlock.core import retries
+    from cronlock.core.jobs import Job
+    from cronlock.core.ledger import Run
 
     async def nothing(ctx: Any) -> None:
         return None

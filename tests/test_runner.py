@@ -168,7 +168,7 @@ async def test_frozen_holder_loses_the_lock_and_commits_nothing(
 async def test_digest_one_outbox_row_per_user_per_slot(
     start_instances: Callable[..., list[Instance]], client: Any, db: asyncpg.Connection
 ) -> None:
-    trio = start_instances(["d0", "d1", "d2"], {"CRON_JOBS": "app.demo.digest"})
+    trio = start_instances(["d0", "d1", "d2"], {"CRON_JOBS": "cronlock.demo.digest"})
     await db.execute(
         """INSERT INTO cronlock_demo.users (email, digest_enabled)
            SELECT 'u' || g || '@example.com', g % 10 <> 0 FROM generate_series(1, 500) g"""
@@ -203,7 +203,7 @@ async def test_digest_refuses_a_second_email_for_a_slot_loudly(
 ) -> None:
     """A user whose last digest was moved back by hand is due again, but already has this
     slot's email: the unique index fails the whole run, which commits nothing."""
-    i = await start_app("d", cron_jobs="app.demo.digest")
+    i = await start_app("d", cron_jobs="cronlock.demo.digest")
     await db.execute(
         "INSERT INTO cronlock_demo.users (email)"
         " SELECT 'u' || g || '@example.com' FROM generate_series(1, 5) g"

@@ -11,7 +11,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from app.schedule import Schedule, ScheduleError
+from cronlock.core.schedule import Schedule, ScheduleError
 
 MINUTE = timedelta(minutes=1)
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -465,7 +465,7 @@ def test_prev_and_next_bracket_every_instant(expr: str, tz: str) -> None:
 
 def test_interval_ticks_are_multiples_from_the_unix_epoch() -> None:
     """Every instance computes the same slots: multiples of the interval from 1970-01-01 UTC."""
-    from app.schedule import EPOCH, Interval
+    from cronlock.core.schedule import EPOCH, Interval
 
     every = Interval.parse(30)
     at = utc(2026, 3, 29, 1, 0, 17)  # Berlin's spring-forward hour: no effect on intervals
@@ -493,7 +493,7 @@ def test_interval_ticks_are_multiples_from_the_unix_epoch() -> None:
 
 
 def test_interval_slot_for_caps_the_early_tolerance_at_half_the_interval() -> None:
-    from app.schedule import Interval
+    from cronlock.core.schedule import Interval
 
     every = Interval.parse(10)
     tick = utc(2026, 1, 1, 0, 0, 10)
@@ -517,7 +517,7 @@ def test_interval_slot_for_caps_the_early_tolerance_at_half_the_interval() -> No
     ],
 )
 def test_interval_cron_form_only_when_exact(every: int, cron: str | None) -> None:
-    from app.schedule import Interval
+    from cronlock.core.schedule import Interval
 
     interval = Interval.parse(every)
     assert interval.cron == cron
@@ -530,15 +530,15 @@ def test_interval_cron_form_only_when_exact(every: int, cron: str | None) -> Non
 
 @pytest.mark.parametrize("every", [0, -5, 1.5, True, "30"])
 def test_interval_refuses_what_is_not_whole_seconds(every: object) -> None:
-    from app.schedule import Interval
+    from cronlock.core.schedule import Interval
 
     with pytest.raises(ScheduleError, match="whole number of seconds"):
         Interval.parse(every)  # type: ignore[arg-type]
 
 
 def test_job_every_declaration() -> None:
-    from app.errors import JobDefinitionError
-    from app.jobs import JobContext, job
+    from cronlock.core.jobs import JobContext, job
+    from cronlock.errors import JobDefinitionError
 
     async def noop(ctx: JobContext) -> None:
         return None

@@ -1,5 +1,5 @@
-"""app.schedule against cronsim (Healthchecks.io's cron parser, Debian cron's semantics): seeded
-random expressions in random time zones, the next fire times compared one by one.
+"""cronlock.core.schedule against cronsim (Healthchecks.io's cron parser, Debian cron's semantics):
+seeded random expressions in random time zones, the next fire times compared one by one.
 
 A difference fails the test unless it is one of these, each recognised precisely (the reasons
 are in docs/schedules.md too):
@@ -37,7 +37,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from cronsim import CronSim
 
-from app.schedule import Schedule, ScheduleError
+from cronlock.core.schedule import Schedule, ScheduleError
 
 # A differential test: tests/test_schedule.py covers every line it reaches, and measuring
 # 32,000 next-time computations would double its time.

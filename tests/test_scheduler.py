@@ -1,5 +1,5 @@
-"""The built-in scheduler (app/scheduler.py) in-process: ticks on the database's clock, one run
-per slot across instances, through the runner (source `scheduler`). The proof with real
+"""The built-in scheduler (cronlock/core/scheduler.py) in-process: ticks on the database's clock,
+one run per slot across instances, through the runner (source `scheduler`). The proof with real
 processes, kill -9 and an outage is tests/test_on_its_own.py."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any
 import asyncpg
 import pytest
 
-from app.db import Database
-from app.jobs import load
-from app.metrics import Metrics
-from app.runner import Runner
-from app.scheduler import Clock, jitter_bound
-from app.settings import Settings
+from cronlock.core.jobs import load
+from cronlock.core.metrics import Metrics
+from cronlock.core.runner import Runner
+from cronlock.core.scheduler import Clock, jitter_bound
+from cronlock.db.pool import Database
+from cronlock.settings import Settings
 from tests.support.asgi import StartApp
 from tests.util import own_runner, wait_for
 
@@ -70,7 +70,7 @@ async def test_a_ticker_that_fails_is_logged_and_starts_again(
 ) -> None:
     """A fault inside the `tick` job's ticker (here its first jitter): logged with the job's
     name, and the ticker starts again, so the job goes on being ticked."""
-    from app import scheduler
+    from cronlock.core import scheduler
 
     real = scheduler.jitter_bound
     faults: list[datetime] = []
@@ -112,7 +112,7 @@ async def test_clock_offset_is_measured_and_corrected(
         assert clock.round_trip is not None
         assert abs(clock.offset) < 0.5  # same machine
         real = time.time
-        monkeypatch.setattr("app.scheduler.time.time", lambda: real() + 30.0)
+        monkeypatch.setattr("cronlock.core.scheduler.time.time", lambda: real() + 30.0)
         await clock.measure(runner)
         assert abs(clock.offset + 30.0) < 0.5
         exported = metrics.registry.get_sample_value("cronlock_scheduler_clock_offset_seconds")
@@ -122,7 +122,7 @@ async def test_clock_offset_is_measured_and_corrected(
         assert abs((clock.now() - db_now).total_seconds()) < 0.5
         # The wall clock stepped back by NTP after the measurement: the database's time as
         # seen from here does not move (waits run on the monotonic clock).
-        monkeypatch.setattr("app.scheduler.time.time", real)
+        monkeypatch.setattr("cronlock.core.scheduler.time.time", real)
         async with db.connection() as conn:
             db_now = await conn.fetchval("SELECT clock_timestamp()")
         assert abs((clock.now() - db_now).total_seconds()) < 0.5
@@ -163,7 +163,7 @@ def test_jitter_is_at_most_a_quarter_of_the_interval(
     assert jitter_bound(job, slot, 0.1) == 0.1
 
 
-# --- missed-slot policies (app/catchup.py) ----------------------------------------------------
+# --- missed-slot policies (cronlock/core/catchup.py) ----------------------------------------------
 
 
 @pytest.mark.parametrize("paused_first", [False, True])
@@ -174,7 +174,7 @@ async def test_missed_policies_all_and_latest(
     oldest first, as backfills; `latest` (what catch_up=True is) only the due slot. A paused
     job is skipped (one look per job and pass, nothing written); after its resume the policy
     decides about the slots the pause skipped."""
-    from app import catchup, pause
+    from cronlock.core import catchup, pause
 
     settings = make_settings(cron_jobs="tests.own_jobs")
     async with own_runner(settings) as runner:
@@ -219,7 +219,7 @@ async def test_missed_all_says_where_its_look_back_stopped(
     """`all` looks MAX_ALL_TICKS ticks back from the due slot (3 here): with more slots missed
     than that, it runs the 3 latest and warns that those before the oldest it looked at are not
     run, naming that tick; with fewer missed, no warning."""
-    from app import catchup
+    from cronlock.core import catchup
 
     monkeypatch.setattr(catchup, "MAX_ALL_TICKS", 3)
     settings = make_settings(cron_jobs="tests.own_jobs")
@@ -242,8 +242,8 @@ async def test_missed_all_says_where_its_look_back_stopped(
 
 
 def test_missed_policy_declarations() -> None:
-    from app.errors import JobDefinitionError
-    from app.jobs import Job, JobContext, job
+    from cronlock.core.jobs import Job, JobContext, job
+    from cronlock.errors import JobDefinitionError
 
     async def noop(ctx: JobContext) -> None:
         return None

@@ -17,10 +17,10 @@ import asyncpg
 import httpx
 import pytest
 
-from app import cli
-from app.db import Database
-from app.lock import internal_lock, job_lock, lock_key
-from app.schema import (
+from cronlock.cli import main as cli
+from cronlock.db.lock import internal_lock, job_lock, lock_key
+from cronlock.db.pool import Database
+from cronlock.db.schema import (
     Migration,
     MigrationError,
     MigrationSet,
@@ -30,8 +30,8 @@ from app.schema import (
     migration_sets,
     notify_channel,
 )
-from app.settings import Settings
-from app.sql import qualify
+from cronlock.settings import Settings
+from cronlock.sql import qualify
 from tests.support import TEST_SECRET
 from tests.support.postgres import unique_name
 from tests.support.provider import Provider
@@ -53,7 +53,7 @@ async def fresh(fresh_url: str) -> AsyncIterator[asyncpg.Connection]:
 
 
 class Cli:
-    """`python -m app` in-process, against one database, with no .env."""
+    """`python -m cronlock` in-process, against one database, with no .env."""
 
     def __init__(self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
         self.capsys, self.monkeypatch = capsys, monkeypatch
@@ -77,7 +77,7 @@ def run_cli(
     for name in list(os.environ):
         if name.startswith(("CRON_", "DATABASE_", "DB_", "MIGRATE_")):
             monkeypatch.delenv(name)
-    monkeypatch.setenv("CRON_JOBS", "app.demo.digest,app.housekeeping")
+    monkeypatch.setenv("CRON_JOBS", "cronlock.demo.digest,cronlock.housekeeping")
     return Cli(capsys, monkeypatch)
 
 
@@ -209,14 +209,14 @@ async def test_an_application_database_is_left_exactly_as_it_was(
     code, out, err = await run_cli("migrate")
     assert code == 0, err
     assert "cronlock 0001_ledger" in out
-    assert "app.demo.digest 0001_users" in out
+    assert "cronlock.demo.digest 0001_users" in out
     await fresh.execute(
         "INSERT INTO cronlock_demo.users (email) SELECT 'd' || g || '@example.com'"
         " FROM generate_series(1, 25) g"
     )
     env = {
         "DATABASE_URL": fresh_url,
-        "CRON_JOBS": "app.demo.digest,app.housekeeping",
+        "CRON_JOBS": "cronlock.demo.digest,cronlock.housekeeping",
         "OUTBOX_ENABLED": "true",
         "EMAIL_BACKEND": "log",
         "OUTBOX_RATE_LIMIT": "0",
@@ -439,7 +439,7 @@ async def test_a_0_1_database_upgrades_in_place_with_nothing_lost(
     with Provider() as provider:
         env = {
             "DATABASE_URL": fresh_url,
-            "CRON_JOBS": "app.demo.digest,app.housekeeping",
+            "CRON_JOBS": "cronlock.demo.digest,cronlock.housekeeping",
             "OUTBOX_ENABLED": "true",
             "EMAIL_BACKEND": "http",
             "EMAIL_API_URL": provider.url,
@@ -497,7 +497,7 @@ async def test_a_role_without_create_on_the_database_runs_in_schemas_a_dba_made(
         await fresh.execute(
             "INSERT INTO cronlock_demo.users (email) VALUES ('a@example.com'), ('b@example.com')"
         )
-        env = {"DATABASE_URL": url, "CRON_JOBS": "app.demo.digest,app.housekeeping"}
+        env = {"DATABASE_URL": url, "CRON_JOBS": "cronlock.demo.digest,cronlock.housekeeping"}
         instance = start_instance("least", env, ready_path="/readyz")
         async with httpx.AsyncClient(timeout=30) as client:
             r = await post(client, instance.url + "/cron/daily-digest")
@@ -545,7 +545,7 @@ async def test_migrate_sql_is_what_migrate_would_do(
         "would apply: create schema cronlock",
         "would apply: create table migrations",
         *shipped,
-        "would apply: app.demo.digest 0001_users",
+        "would apply: cronlock.demo.digest 0001_users",
     ]
     assert await fresh.fetchval("SELECT to_regnamespace('cronlock')") is None  # changed nothing
     code, script, err = await run_cli("migrate", "--sql")
@@ -588,7 +588,7 @@ def run_migrate_process(env: dict[str, str]) -> subprocess.CompletedProcess[str]
     full = {k: v for k, v in os.environ.items() if not k.startswith(("CRON_", "DATABASE_"))}
     full.update(env, PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-m", "app", "migrate"],
+        [sys.executable, "-m", "cronlock", "migrate"],
         env=full,
         capture_output=True,
         text=True,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from app.settings import PLACEHOLDER_SECRET, Settings, SettingsError
+from cronlock.settings import PLACEHOLDER_SECRET, Settings, SettingsError
 
 GOOD = "g" * 32
 

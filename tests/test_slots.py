@@ -13,9 +13,9 @@ from typing import Any
 import asyncpg
 import pytest
 
-from app.db import Database
-from app.jobs import load
-from app.runner import Runner
+from cronlock.core.jobs import load
+from cronlock.core.runner import Runner
+from cronlock.db.pool import Database
 
 Settings = Any
 

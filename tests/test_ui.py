@@ -11,11 +11,11 @@ import asyncpg
 import httpx
 import pytest
 
-from app.jobs import Job
-from app.ops import RunView
-from app.schedule import Schedule
-from app.ui import timeline, words
-from app.ui.session import CSP
+from cronlock.core.jobs import Job
+from cronlock.core.schedule import Schedule
+from cronlock.ops.views import RunView
+from cronlock.web.ui import timeline, words
+from cronlock.web.ui.session import CSP
 from tests.support import TEST_SECRET, auth_headers
 from tests.support.asgi import InProcess, StartApp
 from tests.support.ui import READ_TOKEN, User, csrf_of
@@ -326,7 +326,7 @@ async def test_outbox_counts_sent_rows_and_the_send_rate(
         " VALUES ('daily-digest', 9, 'a@example.com', 'u@example.com', 'Hi', 'body')"
     )
     await dead_email(db, "d@example.com", "422 refused")
-    monkeypatch.setattr("app.outbox.KEPT_COUNT_LIMIT", 5)
+    monkeypatch.setattr("cronlock.delivery.outbox.KEPT_COUNT_LIMIT", 5)
     async with User(app) as user:
         await user.login(READ_TOKEN)
         text = (await user.http.get("/ui/outbox")).text
@@ -380,7 +380,7 @@ async def test_pause_and_resume_are_recorded(
 
 
 async def test_bad_form_values_are_a_422_page_not_a_500_or_a_503(start_app: StartApp) -> None:
-    """What the API refuses with a 422 the forms refuse too (app/inputs.py's rules): an end
+    """What the API refuses with a 422 the forms refuse too (cronlock/inputs.py's rules): an end
     time whose instant PostgreSQL cannot store, a NUL in a note, a NUL or overlong key."""
     app = await ui_app(start_app)
     async with User(app) as user:
@@ -611,7 +611,7 @@ def test_paused_and_failing_badges_render_from_the_views_fields() -> None:
     """A job view's `paused` and `retry` become its badges (the template alone, escaped)."""
     from types import SimpleNamespace
 
-    from app.ui.pages import templates
+    from cronlock.web.ui.pages import templates
 
     until = datetime(2026, 12, 4, 8, 0, tzinfo=UTC)
     view = SimpleNamespace(

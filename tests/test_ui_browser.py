@@ -45,7 +45,7 @@ AXE = Path(os.environ.get("AXE_CORE_JS", ROOT / "var/npm/node_modules/axe-core/a
 SHOTS = Path(os.environ.get("CRONLOCK_SCREENSHOTS", ROOT / "var/screenshots"))
 WAIT = 15.0
 ENV = {
-    "CRON_JOBS": "app.demo.digest,app.housekeeping,tests.ui_jobs",
+    "CRON_JOBS": "cronlock.demo.digest,cronlock.housekeeping,tests.ui_jobs",
     "CRON_READ_TOKEN": READ_TOKEN,
     "UI_REFRESH_INTERVAL": "0.5",
 }

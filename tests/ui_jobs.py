@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 
 HOSTILE = "<script>alert('x')</script>"
 

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import httpx
 
-from app.lock import LockKey, job_lock, lock_key
+from cronlock.db.lock import LockKey, job_lock, lock_key
 from tests.support import TEST_SECRET
 
 if TYPE_CHECKING:
-    from app.runner import Runner
-    from app.settings import Settings
+    from cronlock.core.runner import Runner
+    from cronlock.settings import Settings
 
 AUTH = {"Authorization": f"Bearer {TEST_SECRET}"}
 
@@ -26,9 +26,9 @@ AUTH = {"Authorization": f"Bearer {TEST_SECRET}"}
 async def own_runner(settings: Settings) -> AsyncIterator[Runner]:
     """A Runner over a Database of its own (opened, its migrations checked, never applied),
     closed afterwards: for tests that drive the runner, the retries or catch-up directly."""
-    from app.db import Database
-    from app.jobs import load
-    from app.runner import Runner
+    from cronlock.core.jobs import load
+    from cronlock.core.runner import Runner
+    from cronlock.db.pool import Database
 
     database = Database(settings)
     await database.open()

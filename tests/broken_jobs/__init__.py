@@ -3,7 +3,7 @@ module written for an empty database does on first contact with a real one)."""
 
 from __future__ import annotations
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 
 CRONLOCK_MIGRATIONS = "migrations"
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from app.logs import JsonFormatter
+from cronlock.logs import JsonFormatter
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from urllib.parse import quote, urlsplit
 
-from app.embedded import (
+from cronlock.cli.embedded import (
     SUPERUSER,
     as_service_user,
     chown_to_service,
@@ -33,11 +33,11 @@ from app.embedded import (
     prepare_dir,
     tail,
 )
-from app.sizing import sizing
+from cronlock.ops.sizing import sizing
 from tests.support.postgres import ScratchPostgres
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_APP = "app.main:create_app"
+DEFAULT_APP = "cronlock.service:create_app"
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
 # Settings an instance must not inherit from whoever started it: the cluster decides them.
@@ -712,9 +712,9 @@ def _redact(dsn: str) -> str:
 
 
 async def _migrate(dsn: str) -> None:
-    from app.db import connect
-    from app.schema import migrate, migration_sets
-    from app.settings import Settings
+    from cronlock.db.pool import connect
+    from cronlock.db.schema import migrate, migration_sets
+    from cronlock.settings import Settings
 
     settings = Settings(database_url=dsn)
     conn = await connect(settings, dsn)

@@ -19,10 +19,10 @@ from typing import Any
 
 import asyncpg
 
-from app import db as appdb
-from app import sender as delivery
-from app.mailer import HttpMailer
-from app.settings import Settings
+from cronlock.db import pool as appdb
+from cronlock.delivery import sender as delivery
+from cronlock.delivery.mailer import HttpMailer
+from cronlock.settings import Settings
 from tests.support.provider import Provider
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from typing import Any
 import asyncpg
 import httpx
 
-from app.embedded import find_bindir
+from cronlock.cli.embedded import find_bindir
 from tests.fault_jobs import GATE_BASE
 from tests.jobs import EFFECTS_SQL
 from tests.support import TEST_SECRET

@@ -30,8 +30,8 @@ UNEXPECTED_METHODS = frozenset(
     {"get", "put", "post", "delete", "options", "patch", "trace", "query"}
 )
 
-# The links of the document (app/ops.py), as schemathesis names a transition: "<source> ->
-# [<status>] <link> -> <target>".
+# The links of the document (cronlock/ops/views.py), as schemathesis names a transition: "<source>
+# -> [<status>] <link> -> <target>".
 LINKS = ("[202] GetRun", "[200] NextPage", "[200] NewestRun")
 
 

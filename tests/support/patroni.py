@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import yaml
 
-from app.embedded import (
+from cronlock.cli.embedded import (
     SUPERUSER,
     as_service_user,
     chown_to_service,

@@ -1,6 +1,6 @@
 """The PostgreSQL server the tests use: a local one we own, or `DATABASE_URL` (not ours).
 
-`ScratchPostgres` is the product's embedded server (app/embedded.py) with what only tests
+`ScratchPostgres` is the product's embedded server (cronlock/cli/embedded.py) with what only tests
 need: no fsync, a crash on demand (`kill`), a restart, and a streaming standby.
 """
 
@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from app.embedded import (
+from cronlock.cli.embedded import (
     STOP_TIMEOUT,
     SUPERUSER,
     LocalPostgres,

@@ -79,7 +79,7 @@ USERS = 10
 def soak_env(provider: Provider) -> dict[str, str]:
     """What the soak's instances run with (on top of tests.support.faults.CLUSTER_ENV)."""
     return {
-        "CRON_JOBS": "tests.soak_jobs,app.demo.digest",
+        "CRON_JOBS": "tests.soak_jobs,cronlock.demo.digest",
         "OUTBOX_ENABLED": "true",
         "EMAIL_BACKEND": "http",
         "EMAIL_API_URL": provider.url,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from app.jobs import JobContext, job
+from cronlock.core.jobs import JobContext, job
 from tests.jobs import Sleep
 
 CRONLOCK_MIGRATIONS = "migrations"

@@ -1,4 +1,4 @@
--- Outbox delivery (app/outbox.py).
+-- Outbox delivery (cronlock/delivery/outbox.py).
 
 -- Set-based enqueues (INSERT ... SELECT) may omit the key: the database mints a stable one,
 -- frozen with the row like the payload.

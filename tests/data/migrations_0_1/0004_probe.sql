@@ -1,8 +1,8 @@
--- The trigger path's read-only probe (app/lock.py) as a function: PL/pgSQL keeps the plans of
+-- The trigger path's read-only probe (cronlock/db/lock.py) as a function: PL/pgSQL keeps the plans of
 -- its statements for the life of the server connection, so a probe is not planned again at
 -- every trigger. The client cannot keep prepared statements (statement_cache_size=0 for
 -- PgBouncer); the server-side plan cache is invisible to the pooler and safe behind it.
--- Read-only: it never takes the job's lock (see PROBE_SQL in app/lock.py for why).
+-- Read-only: it never takes the job's lock (see PROBE_SQL in cronlock/db/lock.py for why).
 CREATE FUNCTION cronlock_probe(job_name text, lock_classid oid, lock_objid oid,
                                with_ledger boolean)
 RETURNS TABLE (db_now timestamptz, standby boolean, done_slot timestamptz, running boolean)

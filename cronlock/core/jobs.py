@@ -1,0 +1,466 @@
+"""Jobs: the `@job` decorator, the context a job runs with, and the registry.
+
+A job is an async function of a `JobContext`. It may only touch the database through
+`ctx.conn`, the connection whose transaction holds the job's advisory lock: a query sent
+through the pool would run outside that transaction and the lock would protect nothing.
+
+An SQL error inside the job aborts the whole transaction and so frees the lock at once; a job
+that must survive a failing statement wraps it in a savepoint (`async with ctx.conn.transaction():`
+inside the job opens one).
+
+A keyed job (`key=` names a field of its params) locks per key value: runs for different keys
+go at once, on one instance or several; a second run for the same key is "already running".
+The key's canonical text (`key_text`) is what is locked, stored in the ledger and shown.
+
+A lease job (`lease=` seconds) runs outside one transaction: it has no `ctx.conn`, and writes
+only in steps (`async with ctx.step() as conn:`), each a short transaction fenced by the run's
+lease (cronlock/core/lease.py), committed with `ctx.checkpoint`, from which a later attempt resumes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, Protocol, cast
+
+from pydantic import BaseModel, ValidationError
+
+from cronlock.core.schedule import Interval, Schedule, ScheduleError, Slots
+from cronlock.db.lock import LockKey, job_lock, lock_key
+from cronlock.db.pool import Conn
+from cronlock.errors import InvalidTrigger, JobDefinitionError, LeaseLost, RunCancelled
+from cronlock.inputs import json_problem, text_problem
+from cronlock.settings import Settings
+
+__all__ = [
+    "Job",
+    "JobContext",
+    "LeaseLost",
+    "Registry",
+    "RunCancelled",
+    "job",
+    "key_text",
+    "load",
+    "parse_params",
+]
+
+RESERVED_NAMES = frozenset({"jobs", "runs", "locks"})
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+Trigger = Literal["scheduled", "manual", "backfill"]
+# What happens to slots nobody triggered (every instance down, a scheduler that did not fire):
+# `latest` runs the most recent one once (what `catch_up=True` always did), `all` each of them
+# in order within the backfill window, `none` leaves them (overdue, for a person to look at).
+Missed = Literal["latest", "all", "none"]
+MISSED_POLICIES: tuple[Missed, ...] = ("latest", "all", "none")
+
+# The types a key field may have: those with one stable text form (str as is, int in decimal).
+# A float ("1.0" or "1"?), a datetime (which offset?) or a model would lock different texts
+# for what a client thinks is one value. bool is refused although it is an int: "True" is not
+# what anyone means by a customer id.
+KEY_TYPES: tuple[type, ...] = (str, int)
+# The key's text goes into the lock's hash, a ledger column and a unique index, whose rows
+# PostgreSQL caps at about 2.7 kB: a longer key would fail its commit, not its trigger.
+MAX_KEY_LENGTH = 200
+
+
+class Steps(Protocol):
+    """Where a lease job's steps come from (cronlock/core/lease.py `Fence`)."""
+
+    def step(self, ctx: JobContext) -> AbstractAsyncContextManager[Conn]: ...
+
+
+class _StepsOnly:
+    """`ctx.conn` of a lease job: it has no transaction of its own to write in."""
+
+    def __init__(self, job: str) -> None:
+        self._job = job
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            f"job {self._job!r} is a lease job: it has no ctx.conn; write through "
+            "`async with ctx.step() as conn:`"
+        )
+
+
+def steps_only(job: str) -> Conn:
+    return cast(Conn, _StepsOnly(job))
+
+
+@dataclass
+class JobContext:
+    """What a running job gets. `conn` is the only connection it may use (a lease job has
+    none: it writes in `ctx.step()`s)."""
+
+    conn: Conn
+    job: Job
+    run_id: int
+    slot: datetime | None
+    now: datetime  # the database's now(): the start of the lock transaction
+    params: Any  # an instance of the job's params model, or None
+    trigger: Trigger
+    instance: str
+    # The service's settings: a job reads its configuration here, not from the environment.
+    settings: Settings
+    # A keyed job's key, as locked and stored (its canonical text, e.g. "42"); None otherwise.
+    key: str | None = None
+    # Lease jobs: the attempt (1 at first; a takeover or a new attempt at the slot adds one),
+    # the resume point the job sets and each step commits (JSON; None before the first), and
+    # what the job says of its progress (JSON, shown in /cron/runs/{id}).
+    attempt: int = 1
+    checkpoint: Any = None
+    progress: Any = None
+    steps: Steps | None = None
+
+    @property
+    def schema(self) -> str:
+        """cronlock's schema (DB_SCHEMA), for a job that writes cronlock's tables itself."""
+        return self.settings.db_schema
+
+    def step(self) -> AbstractAsyncContextManager[Conn]:
+        """A lease job's fenced transaction: `async with ctx.step() as conn:` (see the module
+        docstring). Raises LeaseLost when the run is no longer this holder's."""
+        if self.steps is None:
+            raise RuntimeError(
+                f"job {self.job.name!r} is not a lease job: it writes through ctx.conn, in the "
+                "one transaction of its run"
+            )
+        return self.steps.step(self)
+
+
+JobFunc = Callable[[JobContext], Coroutine[Any, Any, Any]]
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    func: JobFunc
+    schedule: Slots | None = None  # a cron expression in a zone, or an interval (`every=`)
+    timeout: float = 60.0
+    # A trigger up to this many seconds before a tick counts for that tick (clock skew);
+    # capped at half the schedule's interval.
+    early_tolerance: float = 5.0
+    max_lateness: float | None = None
+    # How long after a tick a missing succeeded run makes the job `overdue`.
+    grace: float = 300.0
+    # True when `missed` is `latest` or `all`: the catch-up loop looks after this job.
+    catch_up: bool = False
+    params: type[BaseModel] | None = None
+    description: str = ""
+    module: str = ""
+    # The params field whose value is the run's key (keyed jobs), else None.
+    key: str | None = None
+    # None: "latest" with catch_up, else "none" (a Job built without the decorator).
+    missed: Missed | None = None
+    # Retries cronlock owns (cronlock/core/retries.py): how many more attempts a failed, timed-out
+    # or abandoned scheduled or backfill run gets for its slot, the first after `retry_delay`
+    # seconds, doubling after each.
+    retries: int = 0
+    retry_delay: float = 30.0
+    # Alerts (cronlock/delivery/alerts.py): this job's Healthchecks.io-style ping URL and webhook
+    # URL; None falls back to ALERT_PING_URL / ALERT_WEBHOOK_URL.
+    ping_url: str | None = None
+    webhook_url: str | None = None
+
+    @property
+    def missed_policy(self) -> Missed:
+        if self.missed is not None:
+            return self.missed
+        return "latest" if self.catch_up else "none"
+
+    # Lease mode: the lease's length in seconds (cronlock/core/lease.py); None runs in one
+    # transaction.
+    lease: float | None = None
+
+    @property
+    def tz(self) -> str | None:
+        return self.schedule.tz if self.schedule else None
+
+    def key_of(self, params: Any) -> str | None:
+        """The run's key for validated `params`: the key field's canonical text."""
+        if self.key is None:
+            return None
+        return key_text(getattr(params, self.key))
+
+
+def key_text(value: Any) -> str:
+    """A key value's canonical text: str as is, int in decimal (see KEY_TYPES)."""
+    if isinstance(value, bool) or not isinstance(value, KEY_TYPES):
+        # Unreachable for a field `_check_key` accepted, unless a validator of the job's
+        # model returns another type: the job's bug, found before anything is locked.
+        raise TypeError(f"a key must be a str or an int, not {type(value).__name__}")
+    return value if isinstance(value, str) else str(value)
+
+
+def _check_key(name: str, key: str, params: type[BaseModel] | None) -> None:
+    """Refuse a key that cannot be one, at declaration: not a field of the params, optional
+    (a trigger without it would have no key to lock), or of a type without a stable text."""
+    if params is None:
+        raise JobDefinitionError(f"job {name!r}: key={key!r} needs params= (the key is a field)")
+    field_info = params.model_fields.get(key)
+    if field_info is None:
+        raise JobDefinitionError(f"job {name!r}: key={key!r} is not a field of {params.__name__}")
+    if not field_info.is_required():
+        raise JobDefinitionError(
+            f"job {name!r}: key field {key!r} has a default: a trigger must carry its key"
+        )
+    annotation = field_info.annotation
+    if annotation is bool or annotation not in KEY_TYPES:
+        raise JobDefinitionError(
+            f"job {name!r}: key field {key!r} is {annotation!r}: a key must be str or int "
+            "(types with one stable text form)"
+        )
+
+
+_DECLARED: dict[str, Job] = {}
+
+
+def job(
+    name: str,
+    *,
+    schedule: str | None = None,
+    tz: str = "UTC",
+    every: float | None = None,
+    timeout: float = 60.0,
+    early_tolerance: float = 5.0,
+    max_lateness: float | None = None,
+    grace: float = 300.0,
+    catch_up: bool = False,
+    params: type[BaseModel] | None = None,
+    key: str | None = None,
+    missed: Missed | None = None,
+    retries: int = 0,
+    retry_delay: float = 30.0,
+    ping_url: str | None = None,
+    webhook_url: str | None = None,
+    lease: float | None = None,
+) -> Callable[[JobFunc], JobFunc]:
+    """Declare a job. Jobs are collected from the modules named in the CRON_JOBS setting."""
+    if not NAME_PATTERN.match(name):
+        raise JobDefinitionError(
+            f"job name {name!r}: use letters, digits, '.', '_' or '-' (at most 100)"
+        )
+    if name in RESERVED_NAMES:
+        raise JobDefinitionError(f"job name {name!r} is reserved for the API")
+    if timeout <= 0:
+        raise JobDefinitionError(f"job {name!r}: timeout must be positive")
+    if early_tolerance < 0 or (max_lateness is not None and max_lateness <= 0):
+        raise JobDefinitionError(f"job {name!r}: tolerances must be positive")
+    if every is not None and schedule is not None:
+        raise JobDefinitionError(f"job {name!r}: give schedule= or every=, not both")
+    if every is not None and tz != "UTC":
+        raise JobDefinitionError(f"job {name!r}: every= counts seconds in UTC; drop tz={tz!r}")
+    try:
+        parsed: Slots | None = (
+            Interval.parse(every)
+            if every is not None
+            else Schedule.parse(schedule, tz)
+            if schedule is not None
+            else None
+        )
+    except ScheduleError as exc:
+        raise JobDefinitionError(f"job {name!r}: {exc}") from exc
+    policy = _missed_policy(name, missed, catch_up, parsed is not None)
+    catch_up = policy != "none"
+    if catch_up and max_lateness is not None and max_lateness < grace:
+        # A slot is missed once its grace has passed, and then already later than this.
+        raise JobDefinitionError(
+            f"job {name!r}: missed={policy!r} could never run a slot: a missed slot is at least "
+            f"grace ({grace} s) late, more than max_lateness ({max_lateness} s) allows"
+        )
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
+        raise JobDefinitionError(f"job {name!r}: retries must be a whole number from 0 to 100")
+    if not retry_delay > 0:
+        raise JobDefinitionError(f"job {name!r}: retry_delay must be positive")
+    if lease is not None and not 0 < lease <= timeout:
+        raise JobDefinitionError(
+            f"job {name!r}: lease must be positive and at most the timeout ({timeout} s), "
+            "which bounds the whole run"
+        )
+    if key is not None:
+        _check_key(name, key, params)
+        if catch_up:
+            # Catch-up runs a missed slot with no trigger, so with no key to run it for; one
+            # per key would need the job's keys listed (fanning a tick out: later work).
+            raise JobDefinitionError(f"job {name!r}: a keyed job cannot catch_up (no key)")
+
+    def register(func: JobFunc) -> JobFunc:
+        if not inspect.iscoroutinefunction(func):
+            # Found now, not at its first trigger: a plain function would fail every run.
+            raise JobDefinitionError(f"job {name!r}: {func.__qualname__} must be an async def")
+        declared = Job(
+            name=name,
+            func=func,
+            schedule=parsed,
+            timeout=timeout,
+            early_tolerance=early_tolerance,
+            max_lateness=max_lateness,
+            grace=grace,
+            catch_up=catch_up,
+            params=params,
+            description=(func.__doc__ or "").strip().split("\n")[0],
+            module=func.__module__,
+            key=key,
+            missed=policy,
+            retries=retries,
+            retry_delay=retry_delay,
+            ping_url=ping_url,
+            webhook_url=webhook_url,
+            lease=lease,
+        )
+        previous = _DECLARED.get(name)
+        if previous is not None and previous.module != declared.module:
+            raise JobDefinitionError(
+                f"job {name!r} is declared twice ({previous.module} and {declared.module})"
+            )
+        _DECLARED[name] = declared
+        return func
+
+    return register
+
+
+def _missed_policy(name: str, missed: Missed | None, catch_up: bool, scheduled: bool) -> Missed:
+    """`missed=` as given, or what `catch_up` always meant; both only when they agree."""
+    if missed is not None and missed not in MISSED_POLICIES:
+        raise JobDefinitionError(
+            f"job {name!r}: missed={missed!r}: choose one of {', '.join(MISSED_POLICIES)}"
+        )
+    if catch_up and missed not in (None, "latest"):
+        raise JobDefinitionError(
+            f"job {name!r}: catch_up=True is missed='latest'; drop catch_up to use "
+            f"missed={missed!r}"
+        )
+    policy: Missed = missed or ("latest" if catch_up else "none")
+    # (catch_up=True without a schedule was always accepted, and ignored: still so.)
+    if missed not in (None, "none") and not scheduled:
+        raise JobDefinitionError(f"job {name!r}: missed={policy!r} needs a schedule or every=")
+    return policy
+
+
+@dataclass(frozen=True)
+class Registry(Mapping[str, Job]):
+    """The jobs one app serves, with their lock keys checked for collisions."""
+
+    jobs: dict[str, Job] = field(default_factory=dict)
+    namespace: int = 0
+    schema: str = "cronlock"
+
+    def __getitem__(self, name: str) -> Job:
+        return self.jobs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.jobs)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def key(self, name: str) -> int:
+        return self.lock(name).key
+
+    def lock(self, name: str, key: str | None = None) -> LockKey:
+        """The advisory lock key of the job (of one of its keys, for a keyed job; see
+        cronlock/db/lock.py)."""
+        return lock_key(job_lock(self.schema, name, key), self.namespace)
+
+    def check_leases(self, query_timeout: float, margin: float) -> None:
+        """Refuse a lease too short for this deployment's timeouts: its holder renews every
+        third of the lease and stops the job once DB_QUERY_TIMEOUT plus LEASE_MARGIN is all
+        that may be left of it (cronlock/core/lease.py `stop_at`), so that must leave at least one
+        renewal's time."""
+        for job in self.jobs.values():
+            if job.lease is not None and job.lease - query_timeout - margin <= job.lease / 3:
+                raise JobDefinitionError(
+                    f"job {job.name!r}: lease={job.lease} s is too short for "
+                    f"DB_QUERY_TIMEOUT={query_timeout} s and LEASE_MARGIN={margin} s: use a "
+                    f"lease above {1.5 * (query_timeout + margin):g} s, or shorter timeouts"
+                )
+
+    def by_key(self) -> dict[int, str]:
+        return {self.key(name): name for name in self.jobs}
+
+    def check_keys(self, keys: Mapping[str, int] | None = None) -> None:
+        """Refuse two jobs whose lock keys collide: they could never run at the same time,
+        and worse, `pg_locks` could not tell them apart."""
+        seen: dict[int, str] = {}
+        for name in self.jobs:
+            key = keys[name] if keys is not None else self.key(name)
+            if key in seen:
+                raise JobDefinitionError(
+                    f"jobs {seen[key]!r} and {name!r} have the same lock key {key} in "
+                    f"namespace {self.namespace} of schema {self.schema}: rename one or change "
+                    "LOCK_NAMESPACE"
+                )
+            seen[key] = name
+
+
+def load(modules: list[str], namespace: int = 0, schema: str = "cronlock") -> Registry:
+    """Import the job modules and collect the jobs they declare."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise JobDefinitionError(f"CRON_JOBS: cannot import {module!r}: {exc}") from exc
+    chosen = {
+        name: j
+        for name, j in _DECLARED.items()
+        if any(j.module == m or j.module.startswith(m + ".") for m in modules)
+    }
+    registry = Registry(dict(sorted(chosen.items())), namespace, schema)
+    registry.check_keys()
+    return registry
+
+
+def parse_params(job: Job, body: bytes) -> Any:
+    """The job's validated params from the JSON body (InvalidTrigger for 422)."""
+    # No body is no params (the defaults); a body of `null` is not the object the document
+    # asks for, and is refused like any other.
+    data: Any = {}
+    if body.strip():
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidTrigger(f"body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:  # "[[[[...": within MAX_BODY_BYTES, deeper than Python
+            raise InvalidTrigger("body is not valid JSON: nested too deeply") from exc
+    if job.params is None:
+        return None
+    try:
+        params = job.params.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidTrigger(
+            json.loads(exc.json(include_url=False, include_context=False, include_input=False))
+        ) from exc
+    # What the ledger stores (jsonb): refused here with the field's name, rather than by the
+    # database with a data exception that names nothing.
+    problem = json_problem(params.model_dump(mode="json"))
+    if problem is not None:
+        loc, msg = problem
+        raise InvalidTrigger([{"type": "value_error", "loc": loc, "msg": f"Value {msg}"}])
+    if job.key is not None:
+        _check_key_value(job.key, getattr(params, job.key))
+    return params
+
+
+def _check_key_value(field_name: str, value: Any) -> None:
+    """A key the lock, the ledger and its index can all take, or a 422 naming the field."""
+    try:
+        text = key_text(value)
+    except TypeError as exc:
+        raise InvalidTrigger(
+            [{"type": "key_error", "loc": [field_name], "msg": f"Value {exc}"}]
+        ) from exc
+    problem = text_problem(text)
+    if problem is None and not text:
+        problem = "is empty: a key needs at least one character"
+    if problem is None and len(text) > MAX_KEY_LENGTH:
+        problem = f"is longer than {MAX_KEY_LENGTH} characters as a key"
+    if problem is not None:
+        raise InvalidTrigger(
+            [{"type": "key_error", "loc": [field_name], "msg": f"Value {problem}"}]
+        )

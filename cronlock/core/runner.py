@@ -1,0 +1,641 @@
+"""One trigger, start to end: lock -> slot check -> run -> ledger, on one connection and one
+transaction.
+
+The advisory lock is transaction-level, so it lives exactly as long as the transaction that
+also carries the job's writes and its succeeded ledger row: commit publishes all three, and
+anything else (an exception, a timeout, a killed instance, a dropped connection) rolls all of
+them back and frees the lock with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+
+from cronlock.core import cancel, ledger, pause
+from cronlock.core.jobs import Job, JobContext, Registry, Trigger
+from cronlock.core.lease_runner import LeaseRunner
+from cronlock.core.outcome import Kind, Outcome
+from cronlock.db.lock import LockKey, job_lock, probe, reset_session, try_lock, verify_keys
+from cronlock.db.pool import Conn, Database, deadline, terminate
+from cronlock.errors import (
+    CONNECTION_ERRORS,
+    DATABASE_ERRORS,
+    DRIVER_ERRORS,
+    STANDBY_REASON,
+    DatabaseUnavailable,
+    InvalidTrigger,
+    describe,
+    translate,
+)
+from cronlock.settings import Settings
+
+if TYPE_CHECKING:
+    from cronlock.core.metrics import Metrics
+
+log = logging.getLogger("cronlock.run")
+
+
+# Skips answered many times a slot by design; DEBUG with LOG_SKIPS=false (see `Runner.log_outcome`).
+ROUTINE_SKIPS = ("already running", "already done", "already attempted")
+
+
+@dataclass
+class _Lease:
+    """A won lock: the connection, its open transaction and the recorded run."""
+
+    job: Job
+    conn: asyncpg.pool.PoolConnectionProxy
+    tx: asyncpg.transaction.Transaction
+    ctx: JobContext
+    started: float = field(default_factory=time.monotonic)
+
+
+def _cancelled_by_operator(error: BaseException) -> bool:
+    """pg_cancel_backend (`python -m cronlock cancel`) rather than a statement timeout: both are
+    SQLSTATE 57014, told apart by the server's message (on a server whose messages are not in
+    English the run is recorded as failed, as before)."""
+    return isinstance(error, asyncpg.exceptions.QueryCanceledError) and "user request" in str(error)
+
+
+class Runner:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        db: Database,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.db = db
+        self.metrics = metrics
+        # Jobs this instance is running (or deciding about) now, per key for keyed jobs (None
+        # for the others): a second trigger for one of them is answered "already running"
+        # without touching the database, so skips stay answerable even when long jobs hold
+        # every pooled connection. Other keys of a keyed job go on to their own locks.
+        self.local: dict[tuple[str, str | None], int | None] = {}
+        self.background: set[asyncio.Task[Outcome]] = set()
+        # The cancel watchers of running jobs (cronlock/core/cancel.py), kept until they end.
+        self.watchers: set[asyncio.Task[str | None]] = set()
+        # Lock transactions at once, at most one fewer than the pool's connections: each also
+        # needs a second connection for a moment (its ledger row commits outside it), and if
+        # every connection held a lock transaction waiting for one, none would get it (every
+        # job refused, and their locks held meanwhile make other instances skip them too).
+        self.lock_slots = asyncio.Semaphore(max(1, settings.db_pool_max_size - 1))
+        # Lock keys as computed here; checked against the server's once (see `_probe`).
+        self.probe_keys: dict[str, LockKey] | None = {
+            name: registry.lock(name) for name in registry
+        }
+        self._keys_checked = False
+        self.leases = LeaseRunner(self)
+
+    async def trigger(
+        self,
+        job: Job,
+        *,
+        force: bool = False,
+        slot: datetime | None = None,
+        params: Any = None,
+        wait: bool = True,
+        source: str = "http",
+        retry_of: ledger.Run | None = None,
+        first_attempt: bool = False,
+    ) -> Outcome:
+        """Run `job` if it is not running anywhere and its slot is not done yet. `retry_of`:
+        this run is the next attempt at that failed one, for its slot (cronlock/core/retries.py).
+        `first_attempt` (the built-in scheduler, catch-up): only if no attempt at the slot
+        exists, checked under the lock; a failed one is the retries' business."""
+        trigger: Trigger = "manual" if force else "backfill" if slot is not None else "scheduled"
+        if slot is not None:
+            self._check_backfill_slot(job, slot, force)
+        # A keyed job's params were validated (cronlock/core/jobs.py `parse_params`), its key with
+        # them.
+        key = job.key_of(params)
+        local = (job.name, key)
+        if local in self.local:
+            return self.skip(job, "already running", None, trigger, source, key)
+        self.local[local] = None
+        handed_off = False
+        try:
+            if trigger == "scheduled" and self.probe_keys:
+                skipped = await self._probe(job, key, source)
+                if skipped is not None:
+                    return skipped
+            if job.lease is not None:
+                started = await self.leases.start(
+                    job,
+                    key,
+                    trigger,
+                    slot,
+                    params,
+                    source,
+                    retry_of=retry_of,
+                    first_attempt=first_attempt,
+                )
+                assert started is not None
+                # An accepted run is the lease runner's now: it clears `local` at its end.
+                handed_off = started.kind == "accepted"
+                return started
+            lease_or_skip = await self._acquire(
+                job, key, trigger, slot, params, source, retry_of, first_attempt
+            )
+            if isinstance(lease_or_skip, Outcome):
+                return lease_or_skip
+            lease = lease_or_skip
+            self.local[local] = lease.ctx.run_id
+            if not wait:
+                task = asyncio.create_task(self._finish(lease, source))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
+                handed_off = True
+                return Outcome(
+                    job.name,
+                    "accepted",
+                    lease.ctx.run_id,
+                    lease.ctx.slot,
+                    trigger=trigger,
+                    key=key,
+                )
+            return await self._finish(lease, source)
+        finally:
+            if not handed_off:
+                self.local.pop(local, None)
+
+    def _lock_key(self, job: Job, key: str | None) -> LockKey:
+        """The probe's key for the run: the job's (checked against the server's), or, for a
+        keyed run, hashed here by the same mirror."""
+        assert self.probe_keys is not None
+        return self.probe_keys[job.name] if key is None else self.registry.lock(job.name, key)
+
+    async def _probe(self, job: Job, key: str | None, source: str) -> Outcome | None:
+        """The cheap first look: skip without a transaction when the lock is visibly held or
+        this instance already knows the slot is done; None means "go and try for real"."""
+        await self.db.ensure_ready()
+        assert self.probe_keys is not None
+        conn = await self.db.acquire()
+        try:
+            with deadline(conn, self.settings.db_query_timeout):
+                if not self._keys_checked:
+                    await self._check_keys(conn)
+                    if self.probe_keys is None:
+                        return None
+                row = await probe(
+                    conn,
+                    self.settings.db_schema,
+                    job.name,
+                    self._lock_key(job, key),
+                    scheduled=job.schedule is not None,
+                    done_hint=self._done_hint(job),
+                    run_key=key,
+                    lease=job.lease is not None,
+                )
+        except DRIVER_ERRORS as exc:
+            raise translate(exc) from exc
+        finally:
+            await self.db.release(conn)
+        if row["standby"]:
+            raise DatabaseUnavailable(STANDBY_REASON)
+        if row["paused"]:
+            return self.skip(job, "paused", None, "scheduled", source, key)
+        # When both hold (a concurrent trigger is looking at a slot that is done), "already
+        # done" wins: it is the more useful answer, and the lock holder can only be deciding.
+        if job.schedule is not None:
+            slot = job.schedule.slot_for(row["db_now"], job.early_tolerance)
+            if row["done_slot"] == slot:
+                return self.skip(job, "already done", slot, "scheduled", source, key)
+        if row["running"]:
+            return self.skip(job, "already running", None, "scheduled", source, key)
+        # running is None: the hint named a done slot the database's clock disagrees with (a
+        # tick between the two clocks), so the lock was not looked at; the real attempt decides.
+        return None
+
+    def _done_hint(self, job: Job) -> datetime | None:
+        """The slot this instance's clock says a trigger is for, only for the probe to skip its
+        lock-table scan when that slot is done; never a decision (see `_probe`)."""
+        if job.schedule is None:
+            return None
+        return job.schedule.slot_for(datetime.now(UTC), job.early_tolerance)
+
+    async def _check_keys(self, conn: Conn) -> None:
+        assert self.probe_keys is not None
+        schema = self.settings.db_schema
+        names = {name: job_lock(schema, name) for name in self.probe_keys}
+        server = await verify_keys(conn, list(names.values()), self.settings.lock_namespace)
+        if any(server[names[name]] != key.key for name, key in self.probe_keys.items()):
+            # A big-endian server hashes differently: keep to the lock statement alone.
+            log.warning("lock keys computed here differ from the server's; probe disabled")
+            self.probe_keys = None
+        self._keys_checked = True
+
+    def _check_backfill_slot(self, job: Job, slot: datetime, force: bool) -> None:
+        if force:
+            raise InvalidTrigger("force and slot cannot be combined")
+        if job.schedule is None:
+            raise InvalidTrigger(f"job {job.name!r} has no schedule: there is no slot to backfill")
+        if slot.tzinfo is None:
+            raise InvalidTrigger("slot needs a time zone offset, e.g. 2026-01-01T07:00:00Z")
+        try:
+            tick = job.schedule.is_tick(slot)
+        except (OverflowError, ValueError) as exc:  # at the ends of the calendar (year 1, 9999)
+            raise InvalidTrigger(f"{slot.isoformat()} is out of the schedule's range") from exc
+        if not tick:
+            raise InvalidTrigger(f"{slot.isoformat()} is not a tick of {job.schedule.expr!r}")
+
+    async def _acquire(
+        self,
+        job: Job,
+        key: str | None,
+        trigger: Trigger,
+        backfill: datetime | None,
+        params: Any,
+        source: str,
+        retry_of: ledger.Run | None = None,
+        first_attempt: bool = False,
+    ) -> _Lease | Outcome:
+        await self.db.ensure_ready()
+        try:
+            await asyncio.wait_for(self.lock_slots.acquire(), self.settings.db_acquire_timeout)
+        except TimeoutError as exc:
+            raise DatabaseUnavailable("no database connection free (pool exhausted)") from exc
+        try:
+            conn = await self.db.acquire()
+        except BaseException:
+            self.lock_slots.release()
+            raise
+        tx: asyncpg.transaction.Transaction | None = None
+        handed_over = False
+        try:
+            with deadline(conn, self.settings.db_query_timeout):
+                # Pinned: under a server default of repeatable read, the ledger's "already done"
+                # would read a snapshot taken before the lock was won.
+                tx = conn.transaction(isolation="read_committed")
+                await tx.start()
+                row = await try_lock(
+                    conn,
+                    job_lock(self.settings.db_schema, job.name, key),
+                    self.settings.lock_namespace,
+                    db_timeout=job.timeout + self.settings.db_timeout_margin,
+                    client_check_interval=self.settings.db_client_check_interval,
+                    server_version=self.db.server_version,
+                )
+                if row["standby"]:
+                    self.db.standby, self.db.migrated = True, False
+                    raise DatabaseUnavailable(STANDBY_REASON)
+                if not row["locked"]:
+                    return self.skip(job, "already running", None, trigger, source, key)
+                now: datetime = row["db_now"]
+                # Under the lock: another instance may have made this retry already.
+                if retry_of is not None and await ledger.retried(
+                    conn, self.settings.db_schema, retry_of.id
+                ):
+                    return self.skip(job, "already retried", backfill, trigger, source, key)
+                skip, slot = await self.decide_slot(
+                    conn, job, key, trigger, backfill, now, first_attempt=first_attempt
+                )
+            if skip is not None:
+                return self.skip(job, skip, slot, trigger, source, key)
+            async with self.db.connection() as other:
+                run_id = await ledger.start(
+                    other,
+                    self.settings.db_schema,
+                    job=job.name,
+                    slot=slot,
+                    trigger=trigger,
+                    source=source,
+                    instance=self.settings.instance_name,
+                    backend_pid=row["backend_pid"],
+                    started_at=now,
+                    params=params.model_dump(mode="json")
+                    if hasattr(params, "model_dump")
+                    else None,
+                    key=key,
+                    attempt=retry_of.attempt + 1 if retry_of is not None else 1,
+                    retry_of=retry_of.id if retry_of is not None else None,
+                )
+            ctx = JobContext(
+                conn=conn,
+                job=job,
+                run_id=run_id,
+                slot=slot,
+                now=now,
+                params=params,
+                trigger=trigger,
+                instance=self.settings.instance_name,
+                settings=self.settings,
+                key=key,
+            )
+            handed_over = True
+            return _Lease(job, conn, tx, ctx)
+        except DRIVER_ERRORS as exc:
+            # The run's ledger row carries the request's params (and slot): a value the
+            # database refuses there is the client's 422.
+            raise translate(exc, input_from=("body",)) from exc
+        finally:
+            if not handed_over:
+                try:
+                    await self._close(conn, tx)
+                finally:
+                    self.lock_slots.release()
+
+    async def decide_slot(
+        self,
+        conn: Conn,
+        job: Job,
+        key: str | None,
+        trigger: Trigger,
+        backfill: datetime | None,
+        now: datetime,
+        *,
+        first_attempt: bool = False,
+    ) -> tuple[str | None, datetime | None]:
+        """The slot this run is for, and the reason to skip it, if any."""
+        # Under the lock too: a pause committed since the probe still stops the run (lease
+        # runs decide here as well). A manual run (force=true) is an operator's: it runs.
+        if trigger != "manual" and await pause.is_paused(conn, self.settings.db_schema, job.name):
+            return "paused", None
+        if job.schedule is None:
+            return None, None
+        if trigger == "backfill":
+            assert backfill is not None
+            if backfill > now:
+                raise InvalidTrigger("a backfill slot must be in the past")
+            if (now - backfill).total_seconds() > self.settings.backfill_window:
+                raise InvalidTrigger(
+                    f"slot is older than the backfill window ({self.settings.backfill_window} s)"
+                )
+            slot = backfill
+        else:
+            slot = job.schedule.slot_for(now, job.early_tolerance)
+            if trigger == "manual":
+                return None, slot
+        if await ledger.already_done(conn, self.settings.db_schema, job.name, slot, key):
+            return "already done", slot
+        # The built-in scheduler ticks on every instance: one whose tick comes after another's
+        # attempt failed (and freed the lock) must not make a second first attempt.
+        if first_attempt and await ledger.slot_attempted(
+            conn, self.settings.db_schema, job.name, slot
+        ):
+            return "already attempted", slot
+        late = job.max_lateness is not None and now - slot > timedelta(seconds=job.max_lateness)
+        if trigger == "scheduled" and late:
+            return "too late", slot
+        return None, slot
+
+    async def _finish(self, lease: _Lease, source: str) -> Outcome:
+        """Run the job under its lease and settle the ledger, whatever happens."""
+        job, conn, ctx = lease.job, lease.conn, lease.ctx
+        try:
+            task: asyncio.Task[Any] = asyncio.create_task(
+                job.func(ctx), name=f"job:{job.name}:{ctx.run_id}"
+            )
+            # The holder watches its row for a cancel request (cronlock/core/cancel.py): any
+            # instance can write one, and it reaches a job whatever it awaits.
+            stop_watching = asyncio.Event()
+            watcher = asyncio.create_task(
+                cancel.watch(
+                    self.db,
+                    self.settings.db_schema,
+                    ctx.run_id,
+                    self.settings.cancel_poll_interval,
+                    stop_watching,
+                ),
+                name=f"cancel-watch:{ctx.run_id}",
+            )
+            self.watchers.add(watcher)
+            watcher.add_done_callback(self.watchers.discard)
+            try:
+                done, _ = await asyncio.wait(
+                    {task, watcher}, timeout=job.timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+            except asyncio.CancelledError:
+                # Shutdown past its grace period: roll back and record why, then go.
+                await self._abort(lease, task, "cancelled", "instance shut down while running")
+                raise
+            finally:
+                stop_watching.set()  # it ends after its poll in flight, if any
+            by = watcher.result() if watcher in done and task not in done else None
+            if by is not None:
+                await self._abort(lease, task, "cancelled", f"cancelled at the request of {by}")
+                return self._outcome(lease, "cancelled", source, reason=f"cancelled by {by}")
+            if not done:
+                await self._abort(
+                    lease, task, "timed_out", f"exceeded its timeout of {job.timeout} s"
+                )
+                return self._outcome(lease, "timed_out", source)
+            # A task that ended cancelled (the job awaited something a library cancelled, or
+            # raised CancelledError itself) has no exception() to give: it would raise.
+            error: BaseException | None = (
+                RuntimeError("the job's task was cancelled (it raised CancelledError)")
+                if task.cancelled()
+                else task.exception()
+            )
+            if error is None:
+                processed = task.result()
+                try:
+                    # allow_nan=False: jsonb refuses NaN and Infinity, and the commit would fail.
+                    result = json.loads(json.dumps(processed, allow_nan=False))
+                except (TypeError, ValueError) as exc:
+                    error = TypeError(
+                        f"returned a {type(processed).__name__} that is not JSON: {exc}"
+                    )
+                else:
+                    return await self._commit(lease, result, source)
+            status: Kind = "cancelled" if _cancelled_by_operator(error) else "failed"
+            await self._rollback(lease, status, f"{type(error).__name__}: {error}"[:2000])
+            return self._outcome(lease, status, source, reason=str(error)[:200])
+        finally:
+            self.local.pop((job.name, ctx.key), None)
+            try:
+                await self.db.release(conn)
+            finally:
+                self.lock_slots.release()
+
+    async def _commit(self, lease: _Lease, result: Any, source: str) -> Outcome:
+        committing = False
+        try:
+            with deadline(lease.conn, self.settings.db_query_timeout):
+                await reset_session(
+                    lease.conn,
+                    db_timeout=lease.job.timeout + self.settings.db_timeout_margin,
+                    client_check_interval=self.settings.db_client_check_interval,
+                    server_version=self.db.server_version,
+                )
+                duration = await ledger.succeed(
+                    lease.conn, self.settings.db_schema, lease.ctx.run_id, result
+                )
+                committing = True
+                await lease.tx.commit()
+        except DATABASE_ERRORS as exc:
+            # Whether the commit landed is unknown when the connection broke during it (the
+            # server's error answer to COMMIT, say a deferred constraint, is a sure rollback):
+            # the conditional update in `ledger.finish` leaves a succeeded row alone.
+            unknown = committing and (
+                isinstance(exc, CONNECTION_ERRORS) or not isinstance(exc, asyncpg.PostgresError)
+            )
+            reason = exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc)
+            await self._rollback(lease, "failed", f"commit failed: {reason}")
+            return self._outcome(
+                lease, "failed", source, reason=f"commit failed: {reason}", commit_unknown=unknown
+            )
+        return self._outcome(lease, "succeeded", source, processed=result, duration=duration)
+
+    async def _rollback(self, lease: _Lease, status: str, error: str) -> None:
+        try:
+            with deadline(lease.conn, self.settings.db_query_timeout):
+                await lease.tx.rollback()
+        except Exception:  # the connection is gone: the server rolled back for us
+            terminate(lease.conn)
+        await self._record(lease.ctx.run_id, status, error)
+
+    async def _abort(self, lease: _Lease, task: asyncio.Task[Any], status: str, error: str) -> None:
+        # Closing the socket ends the transaction server-side at once (and, with
+        # client_connection_check_interval, even a statement that is still running), without
+        # the cancel request that asyncpg would send through PgBouncer on task cancellation.
+        terminate(lease.conn)
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait({task}, timeout=1.0)
+        await asyncio.shield(self._record(lease.ctx.run_id, status, error))
+
+    async def _record(self, run_id: int, status: str, error: str) -> None:
+        try:
+            async with self.db.connection() as conn:
+                await ledger.finish(conn, self.settings.db_schema, run_id, status, error)
+        except Exception as exc:
+            # The row stays `running` and is closed as `abandoned` once its lock is seen gone.
+            log.warning("could not record run %s as %s: %s", run_id, status, describe(exc))
+
+    def _outcome(
+        self,
+        lease: _Lease,
+        kind: Kind,
+        source: str,
+        *,
+        processed: Any = None,
+        duration: float | None = None,
+        reason: str | None = None,
+        commit_unknown: bool = False,
+    ) -> Outcome:
+        return self.finished(
+            lease.ctx,
+            kind,
+            source,
+            lease.started,
+            processed=processed,
+            duration=duration,
+            reason=reason,
+            commit_unknown=commit_unknown,
+        )
+
+    def finished(
+        self,
+        ctx: JobContext,
+        kind: Kind,
+        source: str,
+        started: float,
+        *,
+        processed: Any = None,
+        duration: float | None = None,
+        reason: str | None = None,
+        commit_unknown: bool = False,
+    ) -> Outcome:
+        """The outcome of a run that took the lock (or a lease), logged and counted once; the
+        duration defaults to the time since `started` (monotonic)."""
+        if duration is None:
+            duration = (time.monotonic() - started) * 1000
+        outcome = Outcome(
+            ctx.job.name,
+            kind,
+            ctx.run_id,
+            ctx.slot,
+            processed,
+            round(duration, 3),
+            reason,
+            ctx.trigger,
+            ctx.key,
+            commit_unknown=commit_unknown,
+        )
+        self.log_outcome(outcome, source)
+        return outcome
+
+    def skip(
+        self,
+        job: Job,
+        reason: str,
+        slot: datetime | None,
+        trigger: Trigger,
+        source: str,
+        key: str | None = None,
+    ) -> Outcome:
+        outcome = Outcome(job.name, "skipped", slot=slot, reason=reason, trigger=trigger, key=key)
+        self.log_outcome(outcome, source)
+        return outcome
+
+    def log_outcome(self, outcome: Outcome, source: str) -> None:
+        # One line per trigger. LOG_SKIPS=false moves routine skips (a scheduler retrying, a
+        # trigger storm) to DEBUG, for logs a storm would flood; they are still counted in the
+        # metrics.
+        routine = outcome.kind == "skipped" and outcome.reason in ROUTINE_SKIPS
+        level = logging.DEBUG if routine and not self.settings.log_skips else logging.INFO
+        if self.metrics is not None:
+            self.metrics.observe(outcome)
+        if not log.isEnabledFor(level):
+            return
+        log.log(
+            level,
+            "%s %s",
+            outcome.job,
+            outcome.kind,
+            extra={
+                "event": "run" if outcome.run_id else "trigger",
+                "job": outcome.job,
+                "key": outcome.key,
+                "outcome": outcome.kind,
+                "reason": outcome.reason,
+                "run_id": outcome.run_id,
+                "slot": outcome.slot.isoformat() if outcome.slot else None,
+                "duration_ms": outcome.duration_ms,
+                "instance": self.settings.instance_name,
+                "trigger": outcome.trigger,
+                "source": source,
+            },
+        )
+
+    async def _close(
+        self, conn: asyncpg.pool.PoolConnectionProxy, tx: asyncpg.transaction.Transaction | None
+    ) -> None:
+        if tx is not None:
+            try:
+                with deadline(conn, self.settings.db_query_timeout):
+                    await tx.rollback()
+            except Exception:
+                terminate(conn)
+        await self.db.release(conn)
+
+    async def shutdown(self, grace: float) -> None:
+        """Give background runs (`wait=false`) their grace period, then cancel them; then wait
+        a little for runs still settling, before the pool they record with closes. Lease runs
+        stop at once and give their leases up (cronlock/core/lease_runner.py `shutdown`)."""
+        await self.leases.shutdown()
+        if self.background:
+            _, pending = await asyncio.wait(set(self.background), timeout=grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+        # Runs answered in their request were cancelled by uvicorn at the end of its own
+        # graceful-shutdown timeout, just before the lifespan got here: they are still rolling
+        # back and recording `cancelled`, which needs the pool (else their rows stay `running`
+        # until swept as `abandoned`).
+        until = time.monotonic() + 5.0
+        while self.local and time.monotonic() < until:  # noqa: ASYNC110 - polls a dict
+            await asyncio.sleep(0.05)

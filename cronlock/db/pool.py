@@ -1,0 +1,364 @@
+"""The connection pool (PgBouncer-safe) and the migrations.
+
+PgBouncer in transaction mode hands each transaction to whichever server connection is free,
+so nothing here relies on session state: no session-level locks, no SET, no prepared
+statements kept across transactions (`statement_cache_size=0` by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+
+import asyncpg
+
+from cronlock.db import schema
+from cronlock.db.primary import Hosts, ServerConnection, read_timeline, record_timeline, timeline_of
+from cronlock.errors import (
+    CONNECTION_ERRORS,
+    DRIVER_ERRORS,
+    DatabaseUnavailable,
+    describe,
+    translate,
+)
+from cronlock.settings import Settings
+
+log = logging.getLogger("cronlock.db")
+
+# A connection as queries see it: a plain one (CLI, LISTEN) or one borrowed from the pool.
+Conn = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+
+
+def terminate(conn: Conn) -> None:
+    """Close a connection's socket now, without the cancel request asyncpg sends when a task
+    awaiting a query is cancelled (PgBouncer before 1.21 can crash on those, see the README).
+    The server ends the session's transaction as soon as it sees the socket closed. A
+    connection the server already dropped is closed already (asyncpg then detaches it from
+    its pool proxy, which would make `terminate` raise)."""
+    with contextlib.suppress(asyncpg.InterfaceError):
+        conn.terminate()
+
+
+@contextlib.contextmanager
+def deadline(conn: Conn, seconds: float) -> Iterator[None]:
+    """Bound a block of statements on `conn`: past `seconds` the connection is closed and the
+    block fails with DatabaseUnavailable. The server's own timeouts cannot help when it, or a
+    pooler in between, stops answering with the socket still open (a frozen process, a
+    network that drops packets): the request would wait for ever. A block that overran is a
+    failure even if its last statement came back meanwhile: the connection is gone."""
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        terminate(conn)
+
+    handle = asyncio.get_running_loop().call_later(seconds, expire)
+    reason = f"no answer from the database within {seconds:g} s"
+    try:
+        yield
+    except Exception as exc:
+        if expired:
+            raise DatabaseUnavailable(reason) from exc
+        raise
+    finally:
+        handle.cancel()
+    if expired:
+        raise DatabaseUnavailable(reason)
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    # jsonb in and out as Python values; the codec is per connection, set once when opened.
+    await conn.set_type_codec(
+        "jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog", format="text"
+    )
+
+
+async def _reset_connection(conn: asyncpg.Connection) -> None:
+    """Pool reset: nothing to undo but an open transaction.
+
+    asyncpg's default reset (advisory unlock all, CLOSE ALL, UNLISTEN *, RESET ALL) costs a
+    round trip per release. cronlock never creates session state on pooled connections (only
+    transaction-local settings and transaction-level locks, gone at commit or rollback), and
+    what a job leaves behind is cleared inside its own transaction before it commits
+    (`lock.reset_session`; a job that fails is rolled back, which undoes its SETs, though
+    not a session-level advisory lock it took: jobs use the `_xact_` forms), so a connection
+    released outside a transaction is already clean.
+    """
+    if conn.is_in_transaction():
+        await conn.execute("ROLLBACK")
+
+
+async def create_pool(
+    settings: Settings, dsn: str | None = None, hosts: Hosts | None = None
+) -> asyncpg.Pool:
+    """A pool that connects lazily: the service starts even while the database is down.
+    Connections are opened host by host (`Hosts.connect`: a multi-host URL follows the
+    primary, each host with its own connect timeout) and refused on a stale primary."""
+    url = dsn or settings.database_url
+    if not url:
+        raise DatabaseUnavailable("DATABASE_URL is not set")
+    hosts = hosts or Hosts(url)
+    pool = await asyncpg.create_pool(
+        url,
+        connect=hosts.connect,
+        connection_class=ServerConnection,
+        # Lazy: no connection until the first request, so start-up never waits for the
+        # database; idle connections close after a minute.
+        init_size=0,
+        min_size=0,
+        max_size=settings.db_pool_max_size,
+        statement_cache_size=settings.db_statement_cache_size,
+        timeout=settings.db_connect_timeout,
+        command_timeout=None,
+        max_inactive_connection_lifetime=60.0,
+        init=_init_connection,
+        reset=_reset_connection,
+        # application_name is one of the parameters PgBouncer tracks per client, so
+        # pg_stat_activity shows which instance holds a lock even through the pooler.
+        server_settings={"application_name": application_name(settings.instance_name)},
+    )
+    assert pool is not None
+    return pool
+
+
+def application_name(instance: str) -> str:
+    # PostgreSQL truncates application_name at 63 bytes.
+    return f"cronlock:{instance}"[:63]
+
+
+async def connect(settings: Settings, dsn: str | None = None) -> asyncpg.Connection:
+    """One connection outside the pool (CLI, LISTEN, migrations at start-up)."""
+    url = dsn or settings.database_url
+    if not url:
+        raise DatabaseUnavailable("DATABASE_URL is not set")
+    try:
+        conn = await Hosts(url).connect(
+            url,
+            statement_cache_size=settings.db_statement_cache_size,
+            timeout=settings.db_connect_timeout,
+            server_settings={"application_name": application_name(settings.instance_name)},
+        )
+    except CONNECTION_ERRORS as exc:
+        # Only an outage: any other refusal (an unknown setting in the URL) is not one, and
+        # its callers say so (the outbox's listener logs it rather than waiting quietly).
+        raise translate(exc) from exc
+    await _init_connection(conn)
+    return conn
+
+
+class Database:
+    """The pool and what the service knows about the server behind it.
+
+    The pool connects lazily and `watch` keeps the facts fresh in the background, so an
+    instance starts (and answers 503 with a reason) while the database is down, a standby, or
+    not migrated yet.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._pool: asyncpg.Pool | None = None
+        self.server_version = 0
+        self.migrated = False
+        self.standby = False
+        self.problem: str | None = "database not checked yet"
+        # Said on /readyz while the instance serves: migrations newer than this code.
+        self.note: str | None = None
+        # The last migration failure, said on /readyz until a migration run succeeds.
+        self.migration_error: str | None = None
+        # The migrations this deployment applies: cronlock's, then its job modules'.
+        self.migration_sets = schema.migration_sets(settings.job_modules)
+        self._checking: asyncio.Future[str | None] | None = None
+        # The URL's hosts, the one that worked last and the newest timeline seen.
+        self.hosts = Hosts(settings.database_url or "")
+
+    async def open(self) -> None:
+        if self._pool is None and self.settings.database_url:
+            self._pool = await create_pool(self.settings, hosts=self.hosts)
+
+    async def close(self) -> None:
+        """Close the pool once every connection is back, terminating what is still out after
+        `db_connect_timeout`. The pool stays reachable meanwhile: a request cancelled at
+        shutdown is still returning its connection, and asyncpg's `close` waits for each one
+        (for ever, if `release` could no longer reach the pool)."""
+        if self._pool is None:
+            return
+        try:
+            # On timeout asyncpg's close() is cancelled and terminates the pool itself.
+            await asyncio.wait_for(self._pool.close(), self.settings.db_connect_timeout)
+        except TimeoutError:
+            log.warning("connections still in use at shutdown were terminated")
+        finally:
+            self._pool = None
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise DatabaseUnavailable("DATABASE_URL is not set")
+        return self._pool
+
+    async def acquire(self) -> asyncpg.pool.PoolConnectionProxy:
+        """A pooled connection within the acquire timeout, or DatabaseUnavailable."""
+        pool = self.pool
+        try:
+            conn = await pool.acquire(timeout=self.settings.db_acquire_timeout)
+        except TimeoutError as exc:
+            # The pool's timeout covers opening a connection too: with one free, the wait
+            # was for a database (or pooler) that accepts connections but does not answer.
+            if pool.get_size() - pool.get_idle_size() < pool.get_max_size():
+                raise DatabaseUnavailable("database unreachable: connecting timed out") from exc
+            raise DatabaseUnavailable("no database connection free (pool exhausted)") from exc
+        except CONNECTION_ERRORS as exc:
+            raise translate(exc) from exc
+        # Opened before this instance saw a newer timeline elsewhere (new connections to a
+        # stale primary are refused as they open).
+        reason = self.hosts.stale(timeline_of(conn))
+        if reason is not None:
+            terminate(conn)
+            await self.release(conn)
+            raise DatabaseUnavailable(reason)
+        if not self.server_version:
+            self.server_version = conn.get_server_version().major * 10000
+        return conn
+
+    @contextlib.asynccontextmanager
+    async def connection(
+        self, *, bounded: bool = True
+    ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A pooled connection for a few short statements, with the acquire timeout (the
+        pool's own `fetch` helpers would wait for ever when long jobs hold every connection)
+        and, unless `bounded=False` (a block something else bounds, such as a job run inside
+        it), DB_QUERY_TIMEOUT for the whole block (see `deadline`)."""
+        conn = await self.acquire()
+        try:
+            if bounded:
+                with deadline(conn, self.settings.db_query_timeout):
+                    yield conn
+            else:
+                yield conn
+        finally:
+            await self.release(conn)
+
+    async def release(self, conn: asyncpg.pool.PoolConnectionProxy) -> None:
+        try:
+            await self.pool.release(conn, timeout=self.settings.db_connect_timeout)
+        except Exception:  # a broken connection is dropped by the pool either way
+            log.debug("connection release failed", exc_info=True)
+
+    async def check(self, *, apply_migrations: bool) -> str | None:
+        """Look at the server once: reachable, primary, migrated. Returns the problem, if any."""
+        try:
+            conn = await self.acquire()
+        except DatabaseUnavailable as exc:
+            self.problem = exc.reason
+            return self.problem
+        try:
+            # Migrations are not bounded: one may rightly take long (an index on a big table).
+            with deadline(conn, self.settings.db_query_timeout):
+                # One round trip for both: the timeline is None exactly on a standby. A
+                # connection opened to a standby that was promoted since learns its timeline
+                # here, and so does the instance.
+                timeline = await read_timeline(conn)
+                self.standby = timeline is None
+            record_timeline(conn, timeline)
+            stale = self.hosts.stale(timeline)
+            if stale is not None:
+                raise DatabaseUnavailable(stale)
+            self.hosts.observe(timeline)
+            if apply_migrations and not self.standby and not self.migrated:
+                await self.migrate(conn)
+            with deadline(conn, self.settings.db_query_timeout):
+                found = await schema.status(conn, self.settings.db_schema, self.migration_sets)
+            pending = [m.label for m in found.pending]
+            self.migrated = not pending and not found.legacy
+            self.note = found.note
+            if self.standby:
+                self.problem = (
+                    "database is a standby (pg_is_in_recovery): advisory locks taken there do "
+                    "not coordinate with the primary, so jobs are refused"
+                )
+            elif found.legacy:
+                self.problem = "cronlock 0.1's tables in public are not moved yet: run migrate"
+            elif pending and self.migration_error is not None:
+                self.problem = self.migration_error
+            elif pending:
+                self.problem = "migrations not applied: " + ", ".join(pending)
+            else:
+                self.problem = None
+        except schema.MigrationError as exc:
+            self.problem = self.migration_error = exc.reason
+        except DatabaseUnavailable as exc:
+            self.problem = exc.reason
+        except DRIVER_ERRORS as exc:
+            if not isinstance(exc, CONNECTION_ERRORS):
+                # The server's own message goes to the log, not to clients (/readyz, 503s).
+                log.warning("database check failed: %s: %s", describe(exc), exc)
+            self.problem = str(translate(exc))
+        finally:
+            await self.release(conn)
+        return self.problem
+
+    async def migrate(self, conn: Conn) -> list[str]:
+        """Apply this deployment's pending migrations (not bounded by DB_QUERY_TIMEOUT: one may
+        rightly take long, an index on a big table; MIGRATE_LOCK_TIMEOUT bounds lock waits)."""
+        applied = await schema.migrate(
+            conn,
+            self.settings.db_schema,
+            self.migration_sets,
+            lock_timeout=self.settings.migrate_lock_timeout,
+        )
+        self.migration_error = None
+        return applied
+
+    def require_ready(self) -> None:
+        """Jobs run only once migrations are current; reachability is found out per request."""
+        if not self.migrated:
+            raise DatabaseUnavailable(self.problem or "migrations not applied yet")
+
+    async def ensure_ready(self) -> None:
+        """`require_ready`, but a database not known ready yet is looked at now rather than at
+        the watcher's next round: the first trigger after start-up or an outage need not wait.
+        Concurrent callers share one check."""
+        if self.migrated:
+            return
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.ensure_future(
+                self.check(apply_migrations=self.settings.migrate_on_start)
+            )
+        try:
+            # Bounded: the check may wait behind another instance's migrations, or on a
+            # database that stopped answering while migrating (migrations are not bounded).
+            await asyncio.wait_for(asyncio.shield(self._checking), self.settings.db_query_timeout)
+        except TimeoutError as exc:
+            raise DatabaseUnavailable(
+                f"database not ready: its check (migrations) did not finish within "
+                f"{self.settings.db_query_timeout:g} s"
+            ) from exc
+        self.require_ready()
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Re-check the server: soon after a problem, backing off while it lasts (a migration
+        that fails fails the same way until someone acts), then now and then when ready (a
+        primary can be demoted, a standby promoted). A problem is logged when it changes."""
+        first = self.settings.migrate_retry_interval
+        delay = first
+        logged: str | None = None
+        while not stop.is_set():
+            problem = await self.check(apply_migrations=self.settings.migrate_on_start)
+            if problem != logged:
+                if problem is not None:
+                    log.warning("database not ready: %s", problem)
+                elif logged is not None:
+                    log.info("database ready")
+                logged = problem
+            if problem is None:
+                delay = first
+                wait = max(first, 10.0)
+            else:
+                wait = delay
+                delay = min(delay * 2, self.settings.migrate_retry_max)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)

@@ -1,0 +1,155 @@
+"""One base exception; driver and OS errors are translated into these at the boundary."""
+
+from __future__ import annotations
+
+import re
+
+import asyncpg
+
+
+class CronlockError(Exception):
+    """Base of every error cronlock raises on purpose."""
+
+
+class DatabaseUnavailable(CronlockError):
+    """The database cannot serve this request now: down, no free connection, a standby,
+    or migrations not current. Answered as 503 with Retry-After; never for a value the
+    database refused (that is InvalidInput)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class DatabaseMisconfigured(DatabaseUnavailable):
+    """The driver refused DATABASE_URL itself (an unknown `sslmode`, say): configuration to fix,
+    not an outage to wait out. Still a 503 for the service; the CLI's exit 2."""
+
+
+STANDBY_REASON = (
+    "database is a standby: advisory locks there do not coordinate with the primary, "
+    "so jobs are refused"
+)
+
+
+class JobDefinitionError(CronlockError):
+    """A job is declared wrongly (bad name, schedule, colliding lock key); start-up stops."""
+
+
+class InvalidTrigger(CronlockError):
+    """A trigger's parameters are wrong (bad backfill slot, bad params); answered as 422."""
+
+
+class LeaseLost(CronlockError):
+    """A lease job's step (or its end) found the run no longer its own: the lease expired, or
+    another instance took the run over with a newer token. Nothing of the step persisted; the
+    job must stop (its holder cancels it if it does not)."""
+
+
+class RunCancelled(CronlockError):
+    """An operator asked a lease run to stop (`python -m cronlock cancel`); raised by its next
+    step, which persisted nothing."""
+
+
+class InvalidInput(CronlockError):
+    """The database refused a value the request (or the command line) gave it: a data
+    exception, SQLSTATE class 22. The client's mistake, answered as 422 (CLI: exit 2), not a
+    503 that would page someone and invite the client to send it again.
+
+    `loc` says where the value came from ("query", "body", ...) as far as the caller knows:
+    the database does not say which parameter it refused."""
+
+    def __init__(self, reason: str, loc: tuple[str, ...] = ()) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.loc = loc
+
+
+# Errors that mean "the database cannot serve us now", as opposed to a bug in a query.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.InterfaceError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.ConnectionFailureError,
+    asyncpg.exceptions.InvalidAuthorizationSpecificationError,
+    asyncpg.exceptions.InvalidCatalogNameError,
+    asyncpg.exceptions.ProtocolViolationError,
+    asyncpg.exceptions.InternalClientError,
+)
+
+
+def describe(exc: BaseException) -> str:
+    """A short reason for a client or a log line: the kind of failure, never a stack trace."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
+        return "too many connections"
+    if isinstance(exc, asyncpg.exceptions.CannotConnectNowError):
+        return "database is starting up or shutting down"
+    if isinstance(
+        exc, asyncpg.exceptions.AdminShutdownError | asyncpg.exceptions.CrashShutdownError
+    ):
+        return "database connection terminated"
+    if isinstance(exc, asyncpg.exceptions.TargetServerAttributeNotMatched):
+        # target_session_attrs=read-write and every host reached is a standby or read-only.
+        return "no host is a writable primary (target_session_attrs)"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, asyncpg.exceptions.ConnectionDoesNotExistError):
+        return "connection lost"
+    if isinstance(exc, OSError):
+        return f"network error: {exc.strerror or type(exc).__name__}"
+    if isinstance(exc, asyncpg.PostgresError):
+        return f"database error {exc.sqlstate}"
+    return type(exc).__name__
+
+
+# Everything `translate` turns into one of ours.
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
+# The driver's own errors, without the OSErrors of its sockets (which no one can tell from a
+# file's): what the CLI translates wherever a command left one untranslated.
+DATABASE_DRIVER_ERRORS: tuple[type[BaseException], ...] = tuple(
+    e for e in DRIVER_ERRORS if not issubclass(e, OSError)
+)
+# A statement of ours that failed for any database reason, translated or not yet (a block that
+# overran DB_QUERY_TIMEOUT raises DatabaseUnavailable): what a background write retries later.
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (*DRIVER_ERRORS, DatabaseUnavailable)
+
+
+def translate(exc: BaseException, *, input_from: tuple[str, ...] | None = None) -> CronlockError:
+    """The one translation of a driver or OS error into ours; raise it `from exc`.
+
+    `input_from` is given where the statements carry values of the request or command line
+    (it says where they came from: "query", "body"...). There a data exception (SQLSTATE class
+    22: a number out of range, a NUL in text, a date the server cannot hold) is the caller's
+    InvalidInput; everywhere else, as for every other error, the database is unavailable. A
+    job's own statements never come here: their errors are the job's failure (500, run id).
+    """
+    if isinstance(exc, asyncpg.ClientConfigurationError):
+        # asyncpg's message may quote the URL, password and all: not repeated.
+        return DatabaseMisconfigured(
+            "DATABASE_URL has a parameter the driver refuses (check its ?options, e.g. sslmode)"
+        )
+    if isinstance(exc, CONNECTION_ERRORS):
+        return DatabaseUnavailable(f"database unreachable: {describe(exc)}")
+    if isinstance(exc, asyncpg.UndefinedTableError | asyncpg.InvalidSchemaNameError):
+        return DatabaseUnavailable("migrations not applied (python -m cronlock migrate)")
+    if input_from is not None and isinstance(exc, asyncpg.DataError):
+        return InvalidInput(f"a value the database cannot take: {refused(exc)}", input_from)
+    return DatabaseUnavailable(f"database error: {describe(exc)}")
+
+
+def refused(exc: asyncpg.DataError) -> str:
+    """What kind of value was refused, from the condition's name, never from the message:
+    that quotes the value, which may be anything a client sent."""
+    if type(exc) is asyncpg.DataError:
+        # 22000 itself is what asyncpg raises when it cannot even encode an argument (an
+        # integer beyond bigint, a str with a lone surrogate), before the server sees it.
+        return "out of range or of the wrong type for its parameter (SQLSTATE 22000)"
+    words = re.sub(r"(?<!^)(?=[A-Z])", " ", type(exc).__name__.removesuffix("Error")).lower()
+    return f"{words} (SQLSTATE {exc.sqlstate})"

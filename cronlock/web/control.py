@@ -1,0 +1,114 @@
+"""The operator's write routes: pause and resume a job (`POST /cron/jobs/{name}/pause`,
+`/resume`), with the cron secret (a POST under /cron/ needs it, cronlock/web/auth.py). Routes only:
+the state and its SQL are cronlock/core/pause.py's; the CLI's `pause` / `resume` do the same
+directly.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Request
+from fastapi.responses import JSONResponse
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+
+from cronlock.core import pause
+from cronlock.core.jobs import NAME_PATTERN
+from cronlock.errors import DRIVER_ERRORS, InvalidTrigger, translate
+from cronlock.inputs import check_text, check_timestamp
+from cronlock.web.deps import DatabaseDep, RegistryDep, SettingsDep, error
+
+router = APIRouter(tags=["operations"])
+
+
+class PauseRequest(BaseModel):
+    """The body of `POST /cron/jobs/{name}/pause`; every field optional, no body at all too."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    until: Annotated[AwareDatetime, AfterValidator(check_timestamp)] | None = Field(
+        default=None, description="resume on its own at this time; absent: until resumed"
+    )
+    note: Annotated[str, AfterValidator(check_text)] | None = Field(
+        default=None, max_length=pause.MAX_NOTE, description="why (shown in /cron/jobs)"
+    )
+    by: Annotated[str, AfterValidator(check_text)] | None = Field(
+        default=None, max_length=pause.MAX_BY, description="who (default: the API)"
+    )
+
+
+class PauseAnswer(BaseModel):
+    job: str
+    paused: pause.Paused | None
+    # resume only: whether the job was paused before this request.
+    was_paused: bool | None = None
+
+
+JobName = Annotated[str, Path(pattern=NAME_PATTERN.pattern, description="a job name")]
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    404: {"description": "unknown job"},
+    422: {"description": "bad body (e.g. `until` in the past)"},
+    503: {"description": "database unavailable (Retry-After)"},
+}
+
+
+async def _body(request: Request) -> PauseRequest | JSONResponse:
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+        return PauseRequest.model_validate(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        if isinstance(exc, ValidationError):
+            detail = json.loads(exc.json(include_url=False, include_input=False))
+            return error(422, "invalid request", detail=detail)
+        return error(422, "body is not valid JSON")
+
+
+@router.post("/cron/jobs/{name}/pause", response_model=PauseAnswer, responses=RESPONSES)
+async def pause_job(
+    name: JobName,
+    request: Request,
+    db: DatabaseDep,
+    registry: RegistryDep,
+    settings: SettingsDep,
+) -> Any:
+    """Pause a job on every instance at once: triggers answer `{"skipped": true, "reason":
+    "paused"}`, the built-in scheduler, retries, backfill and catch-up skip it; `force=true`
+    still runs it. Again on a paused job: the note and `until` are replaced."""
+    if name not in registry:
+        return error(404, "unknown job", job=name)
+    body = await _body(request)
+    if isinstance(body, JSONResponse):
+        return body
+    try:
+        async with db.connection() as conn:
+            state = await pause.pause(
+                conn,
+                settings.db_schema,
+                name,
+                by=body.by or "api",
+                note=body.note,
+                until=body.until,
+            )
+    except InvalidTrigger as exc:
+        return error(422, "invalid request", detail=exc.args[0])
+    except DRIVER_ERRORS as exc:
+        raise translate(exc, input_from=("body",)) from exc
+    return PauseAnswer(job=name, paused=state)
+
+
+@router.post("/cron/jobs/{name}/resume", response_model=PauseAnswer, responses=RESPONSES)
+async def resume_job(
+    name: JobName, db: DatabaseDep, registry: RegistryDep, settings: SettingsDep
+) -> Any:
+    """Resume a paused job (a job that was not paused is answered the same, `was_paused`
+    false): its next trigger runs as usual."""
+    if name not in registry:
+        return error(404, "unknown job", job=name)
+    try:
+        async with db.connection() as conn:
+            was = await pause.resume(conn, settings.db_schema, name)
+    except DRIVER_ERRORS as exc:
+        raise translate(exc) from exc
+    return PauseAnswer(job=name, paused=None, was_paused=was)

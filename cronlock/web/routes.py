@@ -1,0 +1,182 @@
+"""The operator's read routes: jobs, runs, locks and metrics, over the views of
+cronlock/ops/views.py (which the CLI shows too). Routes only: what they show is computed in ops, and
+our errors become answers in cronlock/web/api.py's exception handlers (DatabaseUnavailable: 503)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query
+from fastapi.responses import Response
+from pydantic import AfterValidator
+
+from cronlock.core import ledger, pause
+from cronlock.core.jobs import MAX_KEY_LENGTH, NAME_PATTERN
+from cronlock.core.metrics import CONTENT_TYPE
+from cronlock.errors import DatabaseUnavailable
+from cronlock.inputs import BIGINT_MAX, check_text
+from cronlock.ops.views import (
+    NOW_AND_ROLE_SQL,
+    JobsView,
+    LocksView,
+    RunsPage,
+    RunStatus,
+    RunView,
+    is_overdue,
+    jobs,
+    locks,
+    outbox_stats,
+    reading,
+    run,
+    runs,
+    sweep,
+)
+from cronlock.web.deps import DatabaseDep, RegistryDep, RunnerDep, SettingsDep, error
+
+router = APIRouter(tags=["operations"])
+
+UNAVAILABLE: dict[int | str, dict[str, Any]] = {
+    503: {"description": "database unavailable (Retry-After)"}
+}
+
+# OpenAPI links: how a client (and a stateful fuzzer) goes from one answer to the next
+# request. A trigger's 202 links here too (cronlock/web/api.py).
+GET_RUN = "get_run"
+RUN_LINK: dict[str, Any] = {
+    "operationId": GET_RUN,
+    "parameters": {"run_id": "$response.body#/run_id"},
+    "description": "the run this answer names",
+}
+RUNS_LINKS: dict[str, Any] = {
+    "NextPage": {
+        "operationId": "get_runs",
+        "parameters": {"before": "$response.body#/next"},
+        "description": "the next (older) page",
+    },
+    "NewestRun": {
+        "operationId": GET_RUN,
+        "parameters": {"run_id": "$response.body#/runs/0/id"},
+        "description": "the newest run of this page",
+    },
+}
+
+
+@router.get("/cron/jobs", response_model=JobsView, responses=UNAVAILABLE)
+async def get_jobs(db: DatabaseDep, registry: RegistryDep, settings: SettingsDep) -> Any:
+    """Every registered job: schedule, current and next slot, last run, running now (from
+    pg_locks) and where, and whether it is overdue."""
+    async with db.connection() as conn:
+        await sweep(conn, settings)
+        async with reading(conn):
+            return await jobs(conn, registry)
+
+
+@router.get(
+    "/cron/runs",
+    response_model=RunsPage,
+    operation_id="get_runs",
+    responses={200: {"links": RUNS_LINKS}, **UNAVAILABLE},
+)
+async def get_runs(
+    db: DatabaseDep,
+    registry: RegistryDep,
+    settings: SettingsDep,
+    # Validated here, before any statement: what the database would refuse as a data
+    # exception is a 422 naming the parameter (see cronlock/inputs.py).
+    job: Annotated[str | None, Query(pattern=NAME_PATTERN.pattern, description="a job name")] = (
+        None
+    ),
+    status: RunStatus | None = None,
+    key: Annotated[
+        str | None,
+        Query(max_length=MAX_KEY_LENGTH, description="a keyed job's key, e.g. 42"),
+        AfterValidator(check_text),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    before: Annotated[
+        int | None, Query(ge=1, le=BIGINT_MAX, description="the `next` of the previous page")
+    ] = None,
+) -> Any:
+    """Run history, newest first, one page at a time."""
+    async with db.connection() as conn:
+        await sweep(conn, settings, job)
+        async with reading(conn, input_from=("query",)):
+            return await runs(
+                conn, registry, job=job, status=status, before=before, limit=limit, key=key
+            )
+
+
+@router.get(
+    "/cron/runs/{run_id}",
+    response_model=RunView,
+    operation_id=GET_RUN,
+    responses={404: {"description": "no such run"}, **UNAVAILABLE},
+)
+async def get_run(
+    run_id: Annotated[int, Path(ge=1, le=BIGINT_MAX, description="a run id (bigint)")],
+    db: DatabaseDep,
+    registry: RegistryDep,
+    settings: SettingsDep,
+) -> Any:
+    """One run; poll it to follow a run started with `wait=false`."""
+    async with db.connection() as conn:
+        async with reading(conn, input_from=("path", "run_id")):
+            found = await run(conn, registry, run_id)
+        # A running row without its lock: the instance may have died. Settle it, look again.
+        stale = found is not None and found.status == "running" and not found.running
+        if stale and found is not None and await sweep(conn, settings, found.job):
+            async with reading(conn, input_from=("path", "run_id")):
+                found = await run(conn, registry, run_id)
+    if found is None:
+        return error(404, "unknown run", id=run_id)
+    return found
+
+
+@router.get("/cron/locks", response_model=LocksView, responses=UNAVAILABLE)
+async def get_locks(db: DatabaseDep, registry: RegistryDep) -> Any:
+    """Advisory locks held in this database (pg_locks joined to pg_stat_activity), each mapped
+    to its job, with the holding instance, its state and how long it has held the lock."""
+    async with db.connection() as conn, reading(conn):
+        return LocksView(locks=await locks(conn, registry))
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format"}},
+)
+async def get_metrics(runner: RunnerDep, db: DatabaseDep, registry: RegistryDep) -> Response:
+    """Prometheus metrics: this instance's counters plus deployment-wide gauges read from the
+    database (overdue jobs, outbox)."""
+    metrics = runner.metrics
+    if metrics is None:
+        return error(404, "metrics are not enabled")
+    try:
+        async with db.connection() as conn, reading(conn):
+            clock = await conn.fetchrow(NOW_AND_ROLE_SQL)
+            assert clock is not None
+            if clock["standby"]:
+                # Its reads would succeed, but no trigger runs on it (503): down, as an alert
+                # must see it. The deployment-wide series keep their last primary's values.
+                metrics.database_up.set(0)
+                return Response(metrics.render(), media_type=CONTENT_TYPE)
+            now: datetime = clock["now"]
+            succeeded = await ledger.last_succeeded_slots(conn, registry.schema, list(registry))
+            paused = await pause.active(conn, registry.schema)
+            overdue = {
+                j.name: j.name not in paused and is_overdue(j, now, succeeded.get(j.name))
+                for j in registry.values()
+                if j.schedule is not None
+            }
+            metrics.set_jobs(overdue, succeeded)
+            metrics.set_paused(
+                {name: (now - p.at).total_seconds() for name, p in paused.items()}, registry
+            )
+            stats = await outbox_stats(conn, registry.schema)
+            if stats is not None:
+                metrics.set_outbox(stats)
+        metrics.database_up.set(1)
+    except DatabaseUnavailable:
+        metrics.database_up.set(0)
+    return Response(metrics.render(), media_type=CONTENT_TYPE)
