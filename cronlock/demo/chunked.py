@@ -6,8 +6,8 @@ resumes after the last committed chunk; no user is mailed twice for a slot.
 
 Load it instead of the one-transaction digest
 (CRON_JOBS=cronlock.demo.chunked,cronlock.housekeeping): both queue the same digest, and
-whichever ran first for a slot would leave the other nobody to mail. It shares the demo's users table (the same migrations folder, which makes the table
-only once).
+whichever ran first for a slot would leave the other nobody to mail. It shares the demo's users
+table (the same migrations folder, which makes the table only once).
 """
 
 from __future__ import annotations
