@@ -1,3 +1,41 @@
-"""cronlock: scheduled jobs that run exactly once across instances sharing one primary."""
+"""cronlock: scheduled jobs that run exactly once across instances sharing one PostgreSQL
+primary. The public API is what `__all__` names; every other module is internal and may move.
 
-__version__ = "0.1.0"
+In an app of your own (docs/fastapi.md):
+
+    cron = Cronlock()
+
+    @cron.job("daily-digest", schedule="0 7 * * *", tz="Europe/Berlin")
+    async def daily_digest(ctx: JobContext) -> int: ...
+
+    app = FastAPI(lifespan=cron.lifespan)
+    app.include_router(cron.router)
+"""
+
+__version__ = "0.2.0"
+
+from cronlock.core.jobs import JobContext, job
+from cronlock.errors import (
+    ConfigurationError,
+    CronlockError,
+    JobDefinitionError,
+    LeaseLost,
+    RunCancelled,
+)
+from cronlock.instance import Cronlock, Readiness
+from cronlock.settings import Settings, SettingsError
+
+__all__ = [
+    "ConfigurationError",
+    "Cronlock",
+    "CronlockError",
+    "JobContext",
+    "JobDefinitionError",
+    "LeaseLost",
+    "Readiness",
+    "RunCancelled",
+    "Settings",
+    "SettingsError",
+    "__version__",
+    "job",
+]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+from types import TracebackType
 
 import asyncpg
 
@@ -32,8 +34,36 @@ STANDBY_REASON = (
 )
 
 
-class JobDefinitionError(CronlockError):
+class ConfigurationError(CronlockError):
+    """cronlock cannot start as configured; the message (one line) says what to change."""
+
+
+class JobDefinitionError(ConfigurationError):
     """A job is declared wrongly (bad name, schedule, colliding lock key); start-up stops."""
+
+
+def install_excepthook() -> None:
+    """Make a process that dies of a ConfigurationError print its one line, not a traceback.
+
+    An app's module builds its `Cronlock` and declares its jobs at import time, where
+    uvicorn (or any runner) would print the traceback of a mistake in them; the line says
+    what to change and the traceback adds nothing. Every other exception is shown as before.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "cronlock", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, ConfigurationError):
+            cause = cause.__cause__
+        if cause is None:
+            previous(kind, exc, tb)
+            return
+        print(f"cronlock: cannot start: {cause}", file=sys.stderr)
+
+    hook.cronlock = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 class InvalidTrigger(CronlockError):

@@ -1,39 +1,31 @@
-"""The app factory: `uvicorn --factory cronlock.service:create_app`. Nothing happens at import
-time."""
+"""The standalone service: `uvicorn --factory cronlock.service:create_app` (what
+`python -m cronlock serve` runs). Nothing happens at import time.
+
+It is built from the pieces an app of your own places (cronlock/instance.py): `cron.router`
+under /cron, the dashboard under /ui, metrics at /metrics, health checks, and `cron.running()`
+as the lifespan. Being a whole service, it adds what a host app would not want from a library:
+the Bearer check in front of every path (fail closed: an unknown path is a 401, not a 404),
+JSON answers for every error, the logging set-up, and `gc.freeze()` after start.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
-import logging
 import sys
-from collections.abc import AsyncIterator
-from typing import TypedDict
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from fastapi import FastAPI
-from pydantic import SecretStr
+from fastapi.responses import Response
 
 from cronlock import __version__, logs
-from cronlock.core import catchup, retries, scheduler
-from cronlock.core.jobs import Registry, load
-from cronlock.core.metrics import Metrics
-from cronlock.core.runner import Runner
-from cronlock.db.pool import Database
-from cronlock.delivery import alerts, sender
-from cronlock.errors import JobDefinitionError
-from cronlock.settings import Settings, SettingsError
+from cronlock.core.metrics import CONTENT_TYPE
+from cronlock.errors import ConfigurationError
+from cronlock.instance import Cronlock
+from cronlock.settings import Settings
 from cronlock.web import api, ui
-from cronlock.web.auth import BearerAuth
-
-log = logging.getLogger("cronlock")
-
-
-class State(TypedDict):
-    settings: Settings
-    registry: Registry
-    db: Database
-    runner: Runner
+from cronlock.web.auth import Access, BearerAuth
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -42,68 +34,35 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from_env = settings is None
     try:
         settings = settings or Settings()
-        settings.check_secrets()
-        settings.check_email()
-        settings.check_retention()
-        registry = load(settings.job_modules, settings.lock_namespace, settings.db_schema)
-        alerts.check(registry, settings)
-        registry.check_leases(settings.db_query_timeout, settings.lease_margin)
-    except (SettingsError, JobDefinitionError) as exc:
+        # CRON_JOBS as given (its default serves the demo and the housekeeping jobs).
+        cron = Cronlock(settings, jobs=settings.job_modules, housekeeping=False)
+        cron.jobs  # noqa: B018 - collected now: a mistake in a job module refuses the start
+    except ConfigurationError as exc:
         if from_env:
             print(f"cronlock: cannot start: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         raise
     if from_env:
         logs.setup(settings.log_format, settings.log_level)
-    return build(settings, registry)
+    return build(cron)
 
 
-def build(settings: Settings, registry: Registry) -> FastAPI:
+def build(cron: Cronlock) -> FastAPI:
+    """The service around one Cronlock."""
+
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[State]:
-        db = Database(settings)
-        await db.open()
-        lease_jobs = [name for name, job in registry.items() if job.lease is not None]
-        runner = Runner(settings, registry, db, metrics=Metrics(registry, lease_jobs))
-        stop = asyncio.Event()
-        tasks = [asyncio.create_task(db.watch(stop), name="db-watch")]
-        if any(job.catch_up for job in registry.values()):
-            tasks.append(asyncio.create_task(catchup.catch_up_loop(runner, stop), name="catch-up"))
-        if any(job.retries for job in registry.values()):
-            tasks.append(asyncio.create_task(retries.retry_loop(runner, stop), name="retries"))
-        if alerts.enabled(registry, settings):
-            tasks.append(asyncio.create_task(alerts.alert_loop(runner, stop), name="alerts"))
-        if settings.scheduler_enabled:
-            tasks.append(
-                asyncio.create_task(scheduler.scheduler_loop(runner, stop), name="scheduler")
-            )
-        if lease_jobs:
-            tasks.append(asyncio.create_task(runner.leases.watch(stop), name="lease-watch"))
-        if settings.outbox_enabled:
-            tasks.append(asyncio.create_task(_deliver(db, settings, stop), name="outbox"))
-        # What exists now (the app, its routes and models, imported modules) lives as long as
-        # the process: kept out of the collector's full passes, which otherwise walk all of it
-        # and stall every request in flight for tens of milliseconds (bench/trigger.py's p99).
-        gc.collect()
-        gc.freeze()
-        log.info(
-            "cronlock %s started",
-            __version__,
-            extra={"instance": settings.instance_name, "jobs": list(registry)},
-        )
-        try:
-            yield {"settings": settings, "registry": registry, "db": db, "runner": runner}
-        finally:
-            stop.set()
-            await runner.shutdown(settings.graceful_shutdown_timeout)
-            _, late = await asyncio.wait(tasks, timeout=settings.outbox_shutdown_timeout + 1)
-            for task in late:
-                task.cancel()
-            if late:
-                # Let them unwind (give back rows, close connections) before the pool goes.
-                await asyncio.wait(late, timeout=1.0)
-            await db.close()
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        async with cron.running():
+            # What exists now (the app, its routes and models, imported modules) lives as long
+            # as the process: kept out of the collector's full passes, which otherwise walk all
+            # of it and stall every request in flight for tens of milliseconds
+            # (bench/trigger.py's p99). A library leaves that choice to its host.
+            gc.collect()
+            gc.freeze()
+            # The health checks and the dashboard read these from the request's state.
+            yield cron.state()
 
+    settings = cron.settings
     app = FastAPI(
         title="cronlock",
         version=__version__,
@@ -111,34 +70,36 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
         lifespan=lifespan,
     )
     if settings.ui_enabled:
-        # Before api.install: its session check then sits inside TriggerDispatch (and
-        # BearerAuth), so a trigger never passes through it.
-        ui.install(app, registry, settings)
-    api.install(app, registry, settings)
-    tokens = settings.secrets()
+        # Before the Bearer check: the session check then sits inside it, and the dashboard's
+        # paths are the session check's to decide.
+        ui.install(app, cron.jobs, settings)
+    app.include_router(api.health_router)
+    app.include_router(cron.router)
+    app.add_api_route(
+        "/metrics",
+        metrics_endpoint(cron),
+        methods=["GET"],
+        response_class=Response,
+        tags=["operations"],
+        responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format"}},
+    )
+    api.install_handlers(app)
+    run = cron.tokens(Access.RUN)
+    read = cron.tokens(Access.READ)
     app.add_middleware(
         BearerAuth,
-        run_tokens=tokens,
-        read_tokens=_token(settings.cron_read_token),
-        metrics_tokens=_token(settings.metrics_token),
+        run_tokens=run,
+        read_tokens=read[len(run) :],
+        metrics_tokens=cron.tokens(Access.METRICS)[len(read) :],
         sessions=settings.ui_enabled,
     )
     return app
 
 
-def _token(secret: SecretStr | None) -> list[bytes]:
-    return [secret.get_secret_value().encode()] if secret is not None else []
+def metrics_endpoint(cron: Cronlock) -> Callable[[], Coroutine[Any, Any, Response]]:
+    async def get_metrics() -> Response:
+        """Prometheus metrics: this instance's counters plus deployment-wide gauges read from
+        the database (overdue jobs, outbox)."""
+        return Response(await cron.metrics.scrape(), media_type=CONTENT_TYPE)
 
-
-async def _deliver(db: Database, settings: Settings, stop: asyncio.Event) -> None:
-    """The outbox delivery loop of this instance; it waits for the database like everything
-    else and never takes the service down with it."""
-    while not stop.is_set():
-        try:
-            await sender.run_in_app(db.pool, settings, stop)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("outbox delivery loop failed; restarting it")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), settings.outbox_poll_interval)
+    return get_metrics

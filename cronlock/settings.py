@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cronlock.db.primary import split_hosts
 from cronlock.db.schema import check_name
+from cronlock.errors import ConfigurationError
 from cronlock.inputs import has_control, text_problem
 
 # The value `.env.example` ships with: a service started with it must refuse, never run.
@@ -23,7 +24,7 @@ PLACEHOLDER_SECRET = "change-me-to-a-random-string-of-32-or-more-characters"  # 
 MIN_SECRET_LENGTH = 32
 
 
-class SettingsError(ValueError):
+class SettingsError(ConfigurationError, ValueError):
     """The configuration cannot run safely; the message says what to change."""
 
 
@@ -165,6 +166,9 @@ class Settings(BaseSettings):
     ui_session_ttl: float = Field(default=12 * 3600.0, gt=0)
     # How often an open page refreshes its data (JavaScript; 0 = never).
     ui_refresh_interval: float = Field(default=5.0, ge=0)
+    # In an app that registers `cron.metrics` in its own Prometheus registry: how often the
+    # deployment-wide gauges (overdue jobs, pauses, the outbox) are read from the database.
+    metrics_refresh_interval: float = Field(default=15.0, gt=0)
 
     # --- outbox delivery --------------------------------------------------------------------
     outbox_enabled: bool = True

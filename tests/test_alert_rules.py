@@ -9,6 +9,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from prometheus_client import generate_latest
+
 from cronlock.core.metrics import Metrics
 from tests.support.binaries import require_binary
 
@@ -40,6 +42,6 @@ def test_every_rule_has_a_unit_test_and_uses_exported_metrics() -> None:
     rules = re.findall(r"- alert: (\w+)", RULES.read_text())
     tested = set(re.findall(r"alertname: (\w+)", TESTS.read_text()))
     assert set(rules) == tested
-    exported = Metrics(["x"]).render().decode()
+    exported = generate_latest(Metrics(["x"]).registry).decode()
     for name in set(re.findall(r"\b(cronlock_\w+)", RULES.read_text())):
         assert f"{name}" in exported or f"# TYPE {name.removesuffix('_total')}" in exported, name

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import asyncpg
 import httpx
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, generate_latest
 
 from cronlock.core.jobs import load
 from cronlock.core.metrics import Metrics
@@ -137,13 +137,15 @@ def test_each_metrics_object_has_its_own_registry() -> None:
     )
     assert b.registry.get_sample_value("cronlock_runs_total", labels) == 0
     assert REGISTRY.get_sample_value("cronlock_runs_total", labels) is None
-    assert b"cronlock_runs_total" in b.render()
+    assert b"cronlock_runs_total" in generate_latest(b.registry)
 
 
 async def test_two_apps_in_one_process_keep_their_own_metrics(
     make_settings: Callable[..., Settings],
 ) -> None:
-    first, second = create_app(make_settings()), create_app(make_settings())
+    # Two instances of one deployment in one process, told apart by their names.
+    first = create_app(make_settings(instance_name="one"))
+    second = create_app(make_settings(instance_name="two"))
     async with (
         first.router.lifespan_context(first) as one,
         second.router.lifespan_context(second) as two,

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol, TypedDict, Unpack, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -221,7 +221,47 @@ def _check_key(name: str, key: str, params: type[BaseModel] | None) -> None:
 _DECLARED: dict[str, Job] = {}
 
 
-def job(
+class JobOptions(TypedDict, total=False):
+    """What `@job(name, ...)` and `@cron.job(name, ...)` accept besides the name (see `define`
+    for each one's meaning and default)."""
+
+    schedule: str | None
+    tz: str
+    every: float | None
+    timeout: float
+    early_tolerance: float
+    max_lateness: float | None
+    grace: float
+    catch_up: bool
+    params: type[BaseModel] | None
+    key: str | None
+    missed: Missed | None
+    retries: int
+    retry_delay: float
+    ping_url: str | None
+    webhook_url: str | None
+    lease: float | None
+
+
+def job(name: str, **options: Unpack[JobOptions]) -> Callable[[JobFunc], JobFunc]:
+    """Declare a job in a module that is loaded by name (CRON_JOBS, `Cronlock(jobs=[...])`):
+    the job is served by whoever loads its module. See `Cronlock.job` for the same in an app."""
+    make = define(name, **options)
+
+    def register(func: JobFunc) -> JobFunc:
+        declared = make(func)
+        previous = _DECLARED.get(name)
+        if previous is not None and previous.module != declared.module:
+            raise JobDefinitionError(
+                f"job {name!r} is declared twice ({previous.module} and {declared.module})"
+            )
+        _DECLARED[name] = declared
+        return func
+
+    return register
+
+
+def define(
     name: str,
     *,
     schedule: str | None = None,
@@ -240,8 +280,9 @@ def job(
     ping_url: str | None = None,
     webhook_url: str | None = None,
     lease: float | None = None,
-) -> Callable[[JobFunc], JobFunc]:
-    """Declare a job. Jobs are collected from the modules named in the CRON_JOBS setting."""
+) -> Callable[[JobFunc], Job]:
+    """Check a job's declaration now (a JobDefinitionError names what is wrong) and return
+    what makes its `Job` from the function."""
     if not NAME_PATTERN.match(name):
         raise JobDefinitionError(
             f"job name {name!r}: use letters, digits, '.', '_' or '-' (at most 100)"
@@ -290,11 +331,11 @@ def job(
             # per key would need the job's keys listed (fanning a tick out: later work).
             raise JobDefinitionError(f"job {name!r}: a keyed job cannot catch_up (no key)")
 
-    def register(func: JobFunc) -> JobFunc:
+    def make(func: JobFunc) -> Job:
         if not inspect.iscoroutinefunction(func):
             # Found now, not at its first trigger: a plain function would fail every run.
             raise JobDefinitionError(f"job {name!r}: {func.__qualname__} must be an async def")
-        declared = Job(
+        return Job(
             name=name,
             func=func,
             schedule=parsed,
@@ -314,15 +355,8 @@ def job(
             webhook_url=webhook_url,
             lease=lease,
         )
-        previous = _DECLARED.get(name)
-        if previous is not None and previous.module != declared.module:
-            raise JobDefinitionError(
-                f"job {name!r} is declared twice ({previous.module} and {declared.module})"
-            )
-        _DECLARED[name] = declared
-        return func
 
-    return register
+    return make
 
 
 def _missed_policy(name: str, missed: Missed | None, catch_up: bool, scheduled: bool) -> Missed:
@@ -399,21 +433,66 @@ class Registry(Mapping[str, Job]):
             seen[key] = name
 
 
-def load(modules: list[str], namespace: int = 0, schema: str = "cronlock") -> Registry:
-    """Import the job modules and collect the jobs they declare."""
+# cronlock's own modules that moved when the library became the `cronlock` package (0.1
+# shipped them as `app.*`): a CRON_JOBS entry or a job module's import naming the old one is
+# told the new name, instead of an import error about a package it may not even have.
+MOVED = {
+    "app.demo.digest": "cronlock.demo.digest",
+    "app.demo.chunked": "cronlock.demo.chunked",
+    "app.housekeeping": "cronlock.housekeeping",
+    "app.jobs": "cronlock",
+    "app.errors": "cronlock.errors",
+    "app.settings": "cronlock",
+}
+
+
+def moved_to(module: str) -> str | None:
+    """The new name of a cronlock module 0.1 shipped as `module`, if it is one."""
+    return MOVED.get(module)
+
+
+def load(
+    modules: list[str],
+    namespace: int = 0,
+    schema: str = "cronlock",
+    declared: Mapping[str, Job] | None = None,
+) -> Registry:
+    """Import the job modules and collect the jobs they declare, with `declared` (the jobs of
+    a `Cronlock`, declared with `@cron.job`)."""
     for module in modules:
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            raise JobDefinitionError(f"CRON_JOBS: cannot import {module!r}: {exc}") from exc
+            raise JobDefinitionError(_import_problem(module, exc)) from exc
     chosen = {
         name: j
         for name, j in _DECLARED.items()
         if any(j.module == m or j.module.startswith(m + ".") for m in modules)
     }
+    for name, j in (declared or {}).items():
+        other = chosen.get(name)
+        if other is not None and other.func is not j.func:
+            raise JobDefinitionError(
+                f"job {name!r} is declared twice ({other.module} and {j.module}): rename one"
+            )
+        chosen[name] = j
     registry = Registry(dict(sorted(chosen.items())), namespace, schema)
     registry.check_keys()
     return registry
+
+
+def _import_problem(module: str, exc: ImportError) -> str:
+    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    new = moved_to(module)
+    if new is not None and missing is not None and (module + ".").startswith(missing + "."):
+        return f"CRON_JOBS: {module!r} moved: name {new!r} instead"
+    new = moved_to(missing) if missing is not None else None
+    if new is not None:
+        return (
+            f"CRON_JOBS: {module!r} imports {missing!r}, which moved to {new!r}: change the "
+            "import (`from cronlock import job, JobContext`)"
+        )
+    return f"CRON_JOBS: cannot import {module!r}: {exc}"
 
 
 def parse_params(job: Job, body: bytes) -> Any:

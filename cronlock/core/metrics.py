@@ -23,8 +23,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    disable_created_metrics,
-    generate_latest,
 )
 
 if TYPE_CHECKING:
@@ -49,9 +47,6 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
 
 class Metrics:
     def __init__(self, jobs: Iterable[str] = (), lease_jobs: Iterable[str] = ()) -> None:
-        # `*_created` series double the output and no dashboard of ours reads them. The switch
-        # is process-wide in prometheus-client; nothing else in the process exports metrics.
-        disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped upstream
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.runs = Counter(
@@ -181,6 +176,3 @@ class Metrics:
         self.outbox_due.set(stats.get("due", 0))
         self.outbox_oldest.set(stats.get("oldest_pending_seconds", 0))
         self.outbox_dead.set(stats.get("dead", 0))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -17,7 +17,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cronlock.core.jobs import RESERVED_NAMES, Job, Registry, parse_params
 from cronlock.core.outcome import Outcome, answer
@@ -25,8 +24,7 @@ from cronlock.core.runner import Runner
 from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
 from cronlock.inputs import check_timestamp
 from cronlock.settings import Settings
-from cronlock.web import control, routes
-from cronlock.web.auth import route_path
+from cronlock.web import routes
 from cronlock.web.deps import DatabaseDep, SettingsDep, error
 
 log = logging.getLogger("cronlock.api")
@@ -84,7 +82,7 @@ def outcome_response(outcome: Outcome) -> JSONResponse:
 NO_QUERY = TriggerQuery()
 
 
-def trigger_handler(job: Job) -> Callable[[Request], Awaitable[Response]]:
+def trigger_handler(job: Job) -> Callable[[Request], Coroutine[Any, Any, Response]]:
     async def trigger(request: Request) -> Response:
         # Read and validate everything by hand, in the contract's order (413 before 422),
         # before any connection or lock is taken. No dependency injection on this hot path:
@@ -118,37 +116,6 @@ def trigger_handler(job: Job) -> Callable[[Request], Awaitable[Response]]:
         return outcome_response(outcome)
 
     return trigger
-
-
-TriggerHandler = Callable[[Request], Awaitable[Response]]
-
-
-class TriggerDispatch:
-    """Hands `POST /cron/<job>` straight to the job's handler, ahead of FastAPI's router.
-
-    A trigger is the one request answered thousands of times a minute in a storm, and most
-    answers are skips worth one database round trip; matching the router's routes one regex at
-    a time and FastAPI's per-route wrappers cost about as much again (bench/trigger.py). Sits
-    inside `BearerAuth`. The per-job routes stay registered: they are the OpenAPI document,
-    and they answer whatever this passes on (another method, a trailing slash). Errors that
-    escape a handler reach the app's catch-all handler as before.
-    """
-
-    def __init__(self, app: ASGIApp, *, handlers: dict[str, TriggerHandler], methods: list[str]):
-        self.app = app
-        self.handlers = handlers
-        self.methods = frozenset(methods)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] in self.methods:
-            path = route_path(scope)
-            if path.startswith("/cron/"):
-                handler = self.handlers.get(path[6:])
-                if handler is not None:
-                    response = await handler(Request(scope, receive))
-                    await response(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
 
 
 def _openapi_for(job: Job) -> dict[str, Any]:
@@ -213,38 +180,30 @@ def trigger_methods(settings: Settings) -> list[str]:
     return ["POST", "GET"] if settings.cron_allow_get else ["POST"]
 
 
-def job_router(registry: Registry, settings: Settings) -> APIRouter:
-    """One route per registered job, so each appears in the OpenAPI document."""
-    router = APIRouter(prefix="/cron", tags=["jobs"])
-    methods = trigger_methods(settings)
-    for job in registry.values():
-        router.add_api_route(
-            f"/{job.name}",
-            trigger_handler(job),
-            methods=methods,
-            name=f"trigger:{job.name}",
-            summary=f"Trigger {job.name}",
-            description=_describe(job),
-            openapi_extra=_openapi_for(job),
-            responses={
-                200: {"description": "ran, or skipped (already running / already done)"},
-                202: {
-                    "description": "accepted (wait=false): follow the run at its link",
-                    "content": {"application/json": {"schema": ACCEPTED_SCHEMA}},
-                    "links": {"GetRun": routes.RUN_LINK},
-                },
-                401: {"description": "missing or wrong secret"},
-                413: {"description": "body too large"},
-                422: {"description": "bad parameters"},
-                500: {
-                    "description": "job failed (with run id; `commit: unknown` when the "
-                    "connection broke during its commit, which may have landed)"
-                },
-                503: {"description": "database unavailable (Retry-After)"},
-                504: {"description": "job timed out (with run id)"},
+def trigger_route_options(job: Job) -> dict[str, Any]:
+    """How a job's trigger route describes itself in the OpenAPI document."""
+    return {
+        "summary": f"Trigger {job.name}",
+        "description": _describe(job),
+        "openapi_extra": _openapi_for(job),
+        "responses": {
+            200: {"description": "ran, or skipped (already running / already done)"},
+            202: {
+                "description": "accepted (wait=false): follow the run at its link",
+                "content": {"application/json": {"schema": ACCEPTED_SCHEMA}},
+                "links": {"GetRun": routes.RUN_LINK},
             },
-        )
-    return router
+            401: {"description": "missing or wrong secret"},
+            413: {"description": "body too large"},
+            422: {"description": "bad parameters"},
+            500: {
+                "description": "job failed (with run id; `commit: unknown` when the "
+                "connection broke during its commit, which may have landed)"
+            },
+            503: {"description": "database unavailable (Retry-After)"},
+            504: {"description": "job timed out (with run id)"},
+        },
+    }
 
 
 health_router = APIRouter(tags=["health"])
@@ -285,35 +244,28 @@ def is_read_route(name: str) -> bool:
     return run_id != name and run_id.isascii() and run_id.isdigit()
 
 
-def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
-    app.include_router(health_router)
-    app.include_router(routes.router)
-    app.include_router(control.router)
-    app.include_router(job_router(registry, settings))
+def not_a_job(name: str, registry: Registry, settings: Settings) -> Response:
+    """The answer under the prefix where no route is: an unknown job (404), or a known job or
+    read route asked with the wrong method (405)."""
+    if name in registry:
+        return method_not_allowed(", ".join(trigger_methods(settings)))
+    if is_read_route(name):
+        # /cron/jobs, /cron/runs... exist: another method on them is not an unknown job.
+        return method_not_allowed("GET, HEAD")
+    return error(404, "unknown job", job=name[:200])
 
-    # Anything under /cron/ that is not a route: an unknown job (404), or a known job asked
-    # with the wrong method (405). Registered last so real routes match first.
-    async def not_a_job(name: str, request: Request) -> Response:
-        if name in registry:
-            return method_not_allowed("POST, GET" if settings.cron_allow_get else "POST")
-        if is_read_route(name):
-            # /cron/jobs, /cron/runs... exist: another method on them is not an unknown job.
-            return method_not_allowed("GET, HEAD")
-        return error(404, "unknown job", job=name[:200])
 
-    # Inside BearerAuth (added after this one, so it runs first).
-    app.add_middleware(
-        TriggerDispatch,
-        handlers={name: trigger_handler(job) for name, job in registry.items()},
-        methods=trigger_methods(settings),
-    )
+def validation_error(exc: RequestValidationError) -> JSONResponse:
+    # `type` too: the OpenAPI document's 422 (FastAPI's) promises loc, msg and type.
+    detail = [
+        {"loc": e.get("loc"), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()
+    ]
+    return error(422, "invalid request", detail=detail)
 
-    app.add_api_route(
-        "/cron/{name:path}",
-        not_a_job,
-        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
-        include_in_schema=False,
-    )
+
+def install_handlers(app: FastAPI) -> None:
+    """The standalone service's answers to errors out of its other routes (health, the
+    dashboard, FastAPI's own 404 and 405), in the shapes cronlock's routes answer with."""
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -322,8 +274,6 @@ def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
             {"error": str(exc.detail)}, status_code=exc.status_code, headers=headers
         )
 
-    # Our errors raised out of the routes, answered in one place. (Triggers answer them in
-    # `trigger_handler`: they are dispatched ahead of the router and these handlers, for speed.)
     @app.exception_handler(InvalidInput)
     async def refused_input(request: Request, exc: InvalidInput) -> Response:
         return invalid_input(exc)
@@ -334,11 +284,7 @@ def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
-        # `type` too: the OpenAPI document's 422 (FastAPI's) promises loc, msg and type.
-        detail = [
-            {"loc": e.get("loc"), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()
-        ]
-        return error(422, "invalid request", detail=detail)
+        return validation_error(exc)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

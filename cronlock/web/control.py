@@ -65,7 +65,7 @@ async def _body(request: Request) -> PauseRequest | JSONResponse:
         return error(422, "body is not valid JSON")
 
 
-@router.post("/cron/jobs/{name}/pause", response_model=PauseAnswer, responses=RESPONSES)
+@router.post("/jobs/{name}/pause", response_model=PauseAnswer, responses=RESPONSES)
 async def pause_job(
     name: JobName,
     request: Request,
@@ -98,7 +98,7 @@ async def pause_job(
     return PauseAnswer(job=name, paused=state)
 
 
-@router.post("/cron/jobs/{name}/resume", response_model=PauseAnswer, responses=RESPONSES)
+@router.post("/jobs/{name}/resume", response_model=PauseAnswer, responses=RESPONSES)
 async def resume_job(
     name: JobName, db: DatabaseDep, registry: RegistryDep, settings: SettingsDep
 ) -> Any:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
@@ -11,8 +12,22 @@ from cronlock.core.jobs import Registry
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.settings import Settings
+from cronlock.web.auth import Access
 
 RETRY_AFTER_SECONDS = "5"
+
+
+class Serving(Protocol):
+    """What cronlock's routes are served by (a `Cronlock`): its settings, the tokens each kind
+    of access accepts, and the objects a request of its routes finds in `request.state`."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    def tokens(self, access: Access) -> Sequence[bytes]: ...
+
+    def bind(self, request: Request) -> None: ...
+
 
 # Async on purpose: FastAPI runs a plain `def` dependency in a worker thread, two thread hops
 # per trigger for what is an attribute read (bench/trigger.py measured it as the largest cost

@@ -4,35 +4,27 @@ our errors become answers in cronlock/web/api.py's exception handlers (DatabaseU
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
-from fastapi.responses import Response
 from pydantic import AfterValidator
 
-from cronlock.core import ledger, pause
 from cronlock.core.jobs import MAX_KEY_LENGTH, NAME_PATTERN
-from cronlock.core.metrics import CONTENT_TYPE
-from cronlock.errors import DatabaseUnavailable
 from cronlock.inputs import BIGINT_MAX, check_text
 from cronlock.ops.views import (
-    NOW_AND_ROLE_SQL,
     JobsView,
     LocksView,
     RunsPage,
     RunStatus,
     RunView,
-    is_overdue,
     jobs,
     locks,
-    outbox_stats,
     reading,
     run,
     runs,
     sweep,
 )
-from cronlock.web.deps import DatabaseDep, RegistryDep, RunnerDep, SettingsDep, error
+from cronlock.web.deps import DatabaseDep, RegistryDep, SettingsDep, error
 
 router = APIRouter(tags=["operations"])
 
@@ -62,7 +54,7 @@ RUNS_LINKS: dict[str, Any] = {
 }
 
 
-@router.get("/cron/jobs", response_model=JobsView, responses=UNAVAILABLE)
+@router.get("/jobs", response_model=JobsView, responses=UNAVAILABLE)
 async def get_jobs(db: DatabaseDep, registry: RegistryDep, settings: SettingsDep) -> Any:
     """Every registered job: schedule, current and next slot, last run, running now (from
     pg_locks) and where, and whether it is overdue."""
@@ -73,7 +65,7 @@ async def get_jobs(db: DatabaseDep, registry: RegistryDep, settings: SettingsDep
 
 
 @router.get(
-    "/cron/runs",
+    "/runs",
     response_model=RunsPage,
     operation_id="get_runs",
     responses={200: {"links": RUNS_LINKS}, **UNAVAILABLE},
@@ -108,7 +100,7 @@ async def get_runs(
 
 
 @router.get(
-    "/cron/runs/{run_id}",
+    "/runs/{run_id}",
     response_model=RunView,
     operation_id=GET_RUN,
     responses={404: {"description": "no such run"}, **UNAVAILABLE},
@@ -133,50 +125,9 @@ async def get_run(
     return found
 
 
-@router.get("/cron/locks", response_model=LocksView, responses=UNAVAILABLE)
+@router.get("/locks", response_model=LocksView, responses=UNAVAILABLE)
 async def get_locks(db: DatabaseDep, registry: RegistryDep) -> Any:
     """Advisory locks held in this database (pg_locks joined to pg_stat_activity), each mapped
     to its job, with the holding instance, its state and how long it has held the lock."""
     async with db.connection() as conn, reading(conn):
         return LocksView(locks=await locks(conn, registry))
-
-
-@router.get(
-    "/metrics",
-    response_class=Response,
-    responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format"}},
-)
-async def get_metrics(runner: RunnerDep, db: DatabaseDep, registry: RegistryDep) -> Response:
-    """Prometheus metrics: this instance's counters plus deployment-wide gauges read from the
-    database (overdue jobs, outbox)."""
-    metrics = runner.metrics
-    if metrics is None:
-        return error(404, "metrics are not enabled")
-    try:
-        async with db.connection() as conn, reading(conn):
-            clock = await conn.fetchrow(NOW_AND_ROLE_SQL)
-            assert clock is not None
-            if clock["standby"]:
-                # Its reads would succeed, but no trigger runs on it (503): down, as an alert
-                # must see it. The deployment-wide series keep their last primary's values.
-                metrics.database_up.set(0)
-                return Response(metrics.render(), media_type=CONTENT_TYPE)
-            now: datetime = clock["now"]
-            succeeded = await ledger.last_succeeded_slots(conn, registry.schema, list(registry))
-            paused = await pause.active(conn, registry.schema)
-            overdue = {
-                j.name: j.name not in paused and is_overdue(j, now, succeeded.get(j.name))
-                for j in registry.values()
-                if j.schedule is not None
-            }
-            metrics.set_jobs(overdue, succeeded)
-            metrics.set_paused(
-                {name: (now - p.at).total_seconds() for name, p in paused.items()}, registry
-            )
-            stats = await outbox_stats(conn, registry.schema)
-            if stats is not None:
-                metrics.set_outbox(stats)
-        metrics.database_up.set(1)
-    except DatabaseUnavailable:
-        metrics.database_up.set(0)
-    return Response(metrics.render(), media_type=CONTENT_TYPE)
