@@ -43,6 +43,7 @@ from cronlock.delivery import alerts, sender
 from cronlock.errors import JobDefinitionError, install_excepthook
 from cronlock.settings import Settings, SettingsError
 from cronlock.web import router as cron_router
+from cronlock.web.answers import Refused
 from cronlock.web.auth import Access
 from cronlock.web.deps import error
 from cronlock.web.metrics import MetricsApp, refresh
@@ -225,7 +226,7 @@ class Cronlock:
         """Give a request of cron's routes this Cronlock's objects (see cronlock/web/deps.py)."""
         started = self._started
         if started is None:
-            raise cron_router.Refused(
+            raise Refused(
                 error(
                     503,
                     "cronlock is not running",

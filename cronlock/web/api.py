@@ -25,6 +25,7 @@ from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
 from cronlock.inputs import check_timestamp
 from cronlock.settings import Settings
 from cronlock.web import routes
+from cronlock.web.answers import invalid_input, validation_error
 from cronlock.web.deps import DatabaseDep, SettingsDep, error
 
 log = logging.getLogger("cronlock.api")
@@ -65,13 +66,6 @@ def _declared_too_large(declared: str, limit: int) -> bool:
         return False  # not a length: the body as streamed decides
     digits = declared.lstrip("0")
     return len(digits) > len(str(limit)) or int(digits or "0") > limit
-
-
-def invalid_input(exc: InvalidInput) -> JSONResponse:
-    """A value the database refused (`db.translate`): 422 in the shape of every other
-    invalid request, never a 503."""
-    problem = {"loc": list(exc.loc), "msg": exc.reason, "type": "refused_by_database"}
-    return error(422, "invalid request", detail=[problem])
 
 
 def outcome_response(outcome: Outcome) -> JSONResponse:
@@ -253,14 +247,6 @@ def not_a_job(name: str, registry: Registry, settings: Settings) -> Response:
         # /cron/jobs, /cron/runs... exist: another method on them is not an unknown job.
         return method_not_allowed("GET, HEAD")
     return error(404, "unknown job", job=name[:200])
-
-
-def validation_error(exc: RequestValidationError) -> JSONResponse:
-    # `type` too: the OpenAPI document's 422 (FastAPI's) promises loc, msg and type.
-    detail = [
-        {"loc": e.get("loc"), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()
-    ]
-    return error(422, "invalid request", detail=detail)
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -17,9 +17,11 @@ from cronlock.core import pause
 from cronlock.core.jobs import NAME_PATTERN
 from cronlock.errors import DRIVER_ERRORS, InvalidTrigger, translate
 from cronlock.inputs import check_text, check_timestamp
+from cronlock.web.answers import CronRoute
 from cronlock.web.deps import DatabaseDep, RegistryDep, SettingsDep, error
 
-router = APIRouter(tags=["operations"])
+# CronRoute: each route answers its own errors (cronlock/web/answers.py).
+router = APIRouter(tags=["operations"], route_class=CronRoute)
 
 
 class PauseRequest(BaseModel):

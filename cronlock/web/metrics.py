@@ -26,9 +26,9 @@ from cronlock.core.metrics import CONTENT_TYPE, Metrics
 from cronlock.db.pool import Database
 from cronlock.errors import DatabaseUnavailable
 from cronlock.ops.views import NOW_AND_ROLE_SQL, is_overdue, outbox_stats, reading
+from cronlock.web.answers import authorized, unauthorized
 from cronlock.web.auth import Access
 from cronlock.web.deps import Serving, error
-from cronlock.web.router import authorized, unauthorized
 
 
 async def refresh(metrics: Metrics, db: Database, registry: Registry) -> None:

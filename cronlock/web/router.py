@@ -19,102 +19,27 @@ them a minute, mostly skips worth one database round trip (bench/trigger.py).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cronlock.core.jobs import Registry
-from cronlock.errors import DatabaseUnavailable, InvalidInput
 from cronlock.web import api, control, routes
-from cronlock.web.auth import UNAUTHORIZED, Access, bearer_token, matches
-from cronlock.web.deps import error
+from cronlock.web.answers import (
+    CronRoute,
+    Endpoint,
+    Refused,
+    TriggerRoute,
+    authorized,
+    unauthorized,
+)
+from cronlock.web.auth import Access
 
 if TYPE_CHECKING:
     from cronlock.web.deps import Serving
-
-log = logging.getLogger("cronlock.api")
-
-Endpoint = Callable[[Request], Coroutine[Any, Any, Response]]
-
-
-class Refused(Exception):
-    """An answer decided before the route's own code ran (auth): raised by a dependency,
-    answered by `CronRoute` as it is."""
-
-    def __init__(self, response: Response) -> None:
-        super().__init__(response.status_code)
-        self.response = response
-
-
-def unauthorized() -> Response:
-    return Response(
-        UNAUTHORIZED,
-        status_code=401,
-        media_type="application/json",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
-
-
-def authorized(request: Request, tokens: Sequence[bytes]) -> bool:
-    token = bearer_token(request.headers.get("authorization", "").encode("latin-1") or None)
-    return token is not None and matches(token, tokens)
-
-
-def answer_error(request: Request, exc: Exception) -> Response:
-    """cronlock's answer to an exception out of one of its routes: the same shapes the
-    standalone service's exception handlers give (cronlock/web/api.py)."""
-    if isinstance(exc, Refused):
-        return exc.response
-    if isinstance(exc, InvalidInput):
-        return api.invalid_input(exc)
-    if isinstance(exc, DatabaseUnavailable):
-        return error(503, "database unavailable", reason=exc.reason)
-    if isinstance(exc, RequestValidationError):
-        return api.validation_error(exc)
-    if isinstance(exc, StarletteHTTPException):
-        headers = dict(exc.headers) if exc.headers else None
-        return JSONResponse(
-            {"error": str(exc.detail)}, status_code=exc.status_code, headers=headers
-        )
-    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error(500, "internal error")
-
-
-class CronRoute(APIRoute):
-    """An APIRoute that answers its own errors (see the module docstring)."""
-
-    def get_route_handler(self) -> Endpoint:
-        handler = super().get_route_handler()
-
-        async def answered(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as exc:
-                return answer_error(request, exc)
-
-        return answered
-
-
-class TriggerRoute(CronRoute):
-    """A trigger: its endpoint takes the request and does everything itself (auth, body,
-    query, the run); the route exists for matching and for the OpenAPI document."""
-
-    def get_route_handler(self) -> Endpoint:
-        endpoint: Endpoint = self.endpoint
-
-        async def answered(request: Request) -> Response:
-            try:
-                return await endpoint(request)
-            except Exception as exc:
-                return answer_error(request, exc)
-
-        return answered
 
 
 def guarded(serving: Serving, handler: Endpoint) -> Endpoint:
@@ -185,12 +110,24 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
 
 
 def mounted_twice(app_routes: Sequence[Any], router: APIRouter) -> bool:
-    """Whether the host app holds this router's routes twice (included twice): each trigger
-    would be answered by the first copy only, and the second prefix would be a trap."""
-    ours = {id(route.endpoint) for route in router.routes if isinstance(route, APIRoute)}
-    seen: dict[tuple[int, str], int] = {}
-    for route in app_routes:
-        if isinstance(route, APIRoute) and id(route.endpoint) in ours:
-            key = (id(route.endpoint), ",".join(sorted(route.methods or ())))
-            seen[key] = seen.get(key, 0) + 1
-    return any(count > 1 for count in seen.values())
+    """Whether the host app holds this router twice (included twice, maybe through routers
+    of its own): a second prefix would be a second door to every job."""
+    return _inclusions(app_routes, router) > 1
+
+
+def _inclusions(routes: Sequence[Any], router: APIRouter) -> int:
+    # Newer FastAPI keeps an included router as one entry naming it (`original_router`);
+    # older versions copied its routes, which are then recognised by their endpoints.
+    found = 0
+    copied: dict[int, int] = {}
+    ours = {id(r.endpoint) for r in router.routes if isinstance(r, APIRoute)}
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is router:
+            found += 1
+        elif isinstance(included, APIRouter):
+            found += _inclusions(included.routes, router)
+        elif isinstance(route, APIRoute) and id(route.endpoint) in ours:
+            key = id(route.endpoint)
+            copied[key] = copied.get(key, 0) + 1
+    return found + max(copied.values(), default=0)

@@ -24,9 +24,11 @@ from cronlock.ops.views import (
     runs,
     sweep,
 )
+from cronlock.web.answers import CronRoute
 from cronlock.web.deps import DatabaseDep, RegistryDep, SettingsDep, error
 
-router = APIRouter(tags=["operations"])
+# CronRoute: each route answers its own errors (cronlock/web/answers.py).
+router = APIRouter(tags=["operations"], route_class=CronRoute)
 
 UNAVAILABLE: dict[int | str, dict[str, Any]] = {
     503: {"description": "database unavailable (Retry-After)"}

@@ -1,0 +1,115 @@
+"""cronlock's answers to what goes wrong in its routes, given inside the route itself.
+
+A host app's exception handlers see only exceptions that escape a route; `CronRoute` lets none
+of cronlock's escape, so a 401, 404, 422 or 503 of cronlock's is in cronlock's shape whatever
+the host registered (and cronlock registers no handler that would change the host's answers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cronlock.errors import DatabaseUnavailable, InvalidInput
+from cronlock.web.auth import UNAUTHORIZED, bearer_token, matches
+from cronlock.web.deps import error
+
+log = logging.getLogger("cronlock.api")
+
+Endpoint = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+def invalid_input(exc: InvalidInput) -> JSONResponse:
+    """A value the database refused (`db.translate`): 422 in the shape of every other
+    invalid request, never a 503."""
+    problem = {"loc": list(exc.loc), "msg": exc.reason, "type": "refused_by_database"}
+    return error(422, "invalid request", detail=[problem])
+
+
+def validation_error(exc: RequestValidationError) -> JSONResponse:
+    # `type` too: the OpenAPI document's 422 (FastAPI's) promises loc, msg and type.
+    detail = [
+        {"loc": e.get("loc"), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()
+    ]
+    return error(422, "invalid request", detail=detail)
+
+
+class Refused(Exception):
+    """An answer decided before the route's own code ran (auth): raised by a dependency,
+    answered by `CronRoute` as it is."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def unauthorized() -> Response:
+    return Response(
+        UNAUTHORIZED,
+        status_code=401,
+        media_type="application/json",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def authorized(request: Request, tokens: Sequence[bytes]) -> bool:
+    token = bearer_token(request.headers.get("authorization", "").encode("latin-1") or None)
+    return token is not None and matches(token, tokens)
+
+
+def answer_error(request: Request, exc: Exception) -> Response:
+    """cronlock's answer to an exception out of one of its routes: the same shapes the
+    standalone service's exception handlers give (cronlock/web/api.py)."""
+    if isinstance(exc, Refused):
+        return exc.response
+    if isinstance(exc, InvalidInput):
+        return invalid_input(exc)
+    if isinstance(exc, DatabaseUnavailable):
+        return error(503, "database unavailable", reason=exc.reason)
+    if isinstance(exc, RequestValidationError):
+        return validation_error(exc)
+    if isinstance(exc, StarletteHTTPException):
+        headers = dict(exc.headers) if exc.headers else None
+        return JSONResponse(
+            {"error": str(exc.detail)}, status_code=exc.status_code, headers=headers
+        )
+    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error(500, "internal error")
+
+
+class CronRoute(APIRoute):
+    """An APIRoute that answers its own errors (see the module docstring)."""
+
+    def get_route_handler(self) -> Endpoint:
+        handler = super().get_route_handler()
+
+        async def answered(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:
+                return answer_error(request, exc)
+
+        return answered
+
+
+class TriggerRoute(CronRoute):
+    """A trigger: its endpoint takes the request and does everything itself (auth, body,
+    query, the run); the route exists for matching and for the OpenAPI document."""
+
+    def get_route_handler(self) -> Endpoint:
+        endpoint: Endpoint = self.endpoint
+
+        async def answered(request: Request) -> Response:
+            try:
+                return await endpoint(request)
+            except Exception as exc:
+                return answer_error(request, exc)
+
+        return answered
