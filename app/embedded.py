@@ -541,14 +541,24 @@ class LocalPostgres:
         if self.is_running():
             self._port = self._running_port()
             self.wait_ready()
-            if self._password_file is not None and not self._has_our_hba(self._data_dir):
-                self._upgrade_running()
+            if self._password_file is not None:
+                if not self._has_our_hba(self._data_dir):
+                    self._upgrade_running()
+                elif not self._password_file.exists():
+                    raise SetupError(
+                        f"the server running in {self._data_dir} asks for the password that "
+                        f"was in {self._password_file}, which is gone: stop that server to "
+                        "have a new password made at the next start"
+                    )
             return self.dsn()
         self._port = self._choose_port()
         self._write_conf()
-        if self._password_file is not None and not self._has_our_hba(self._data_dir):
-            self._set_password(self._data_dir)
-            self.upgraded = True
+        if self._password_file is not None:
+            trusting = not self._has_our_hba(self._data_dir)
+            # A deleted password file: a new password, set as the upgrade sets one.
+            if trusting or not self._password_file.exists():
+                self._set_password(self._data_dir)
+            self.upgraded = trusting
         self._spawn()
         _started.add(self)
         self.wait_ready()
@@ -715,7 +725,8 @@ class LocalPostgres:
         args = [self.tool("postgres"), "--single", "-D", data_dir.name]
         args += ["-c", "exit_on_error=on", "postgres"]  # an ERROR exits non-zero
         run_tool(args, timeout=120.0, cwd=data_dir.parent, stdin=statement)
-        self._write_hba(data_dir)
+        if not self._has_our_hba(data_dir):  # else it is ours, with what was added below
+            self._write_hba(data_dir)
 
     def _write_hba(self, data_dir: Path) -> None:
         fresh = data_dir / ".pg_hba.conf.cronlock"

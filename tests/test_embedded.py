@@ -216,6 +216,35 @@ def test_an_empty_data_dir_is_initialised_in_place(scratch: Path) -> None:
         server.stop()
 
 
+async def test_a_lost_password_file_is_made_again_at_the_next_start(scratch: Path) -> None:
+    """With a password file, nothing gets in without the password; a deleted file gets a new
+    password at the next start (the old one no longer works), and lines added to our
+    pg_hba.conf are kept; while the server runs, a deleted file is a SetupError."""
+    folder = Path(tempfile.mkdtemp(dir=scratch))
+    passfile = folder / "pg.pgpass"
+    server = LocalPostgres(folder / "pg", password_file=passfile)
+    try:
+        dsn = server.start()
+        assert dsn.endswith(f"/postgres?passfile={passfile}")
+        assert await fetchval(dsn, "SELECT current_user") == "postgres"
+        with pytest.raises(asyncpg.InvalidPasswordError):
+            await fetchval(dsn.split("?")[0], "SELECT 1")
+        old = passfile.read_text()
+        with (server.data_dir / "pg_hba.conf").open("a") as hba:
+            hba.write("# added by hand\n")
+        passfile.unlink()
+        with pytest.raises(SetupError, match="which is gone"):
+            LocalPostgres(server.data_dir, password_file=passfile).start()
+        server.stop()
+        assert server.start() == dsn
+        assert not server.upgraded
+        assert passfile.read_text() != old
+        assert await fetchval(dsn, "SELECT current_user") == "postgres"
+        assert (server.data_dir / "pg_hba.conf").read_text().endswith("# added by hand\n")
+    finally:
+        server.stop()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root runs the server as another user")
 def test_root_without_the_service_user_is_a_setup_error(
     scratch: Path, monkeypatch: pytest.MonkeyPatch
