@@ -765,7 +765,7 @@ class LocalPostgres:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             try:
                 pool.submit(asyncio.run, upgrade()).result()
-            except (OSError, asyncpg.PostgresError) as exc:
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 raise PostgresError(
                     f"could not set the password of the running server: {exc}"
                 ) from exc
