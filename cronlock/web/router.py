@@ -28,6 +28,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Scope
 
 from cronlock.core.jobs import Registry
 from cronlock.errors import DatabaseUnavailable, InvalidInput
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
     from cronlock.web.deps import Serving
 
 log = logging.getLogger("cronlock.api")
+
+# Where under the prefix the dashboard goes (`<prefix>/ui`): the catch-all leaves it alone.
+DASHBOARD = "ui"
 
 Endpoint = Callable[[Request], Coroutine[Any, Any, Response]]
 
@@ -117,6 +122,21 @@ class TriggerRoute(CronRoute):
         return answered
 
 
+class CatchAllRoute(TriggerRoute):
+    """The catch-all under the prefix, which leaves `<prefix>/ui` and below to the dashboard
+    (`app.mount("/cron/ui", cron.dashboard)`): else, mounted after the router is included, it
+    would be unreachable, every path of it answered 401 or 404 here. (A job named `ui` keeps
+    its trigger: that route is matched before this one.)"""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is not Match.NONE:
+            name: str = child["path_params"]["name"]
+            if name == DASHBOARD or name.startswith(DASHBOARD + "/"):
+                return Match.NONE, {}
+        return match, child
+
+
 def guarded(serving: Serving, handler: Endpoint) -> Endpoint:
     """A trigger's endpoint: the secret first, then the run."""
 
@@ -179,7 +199,7 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
         not_a_job,
         methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
         include_in_schema=False,
-        route_class_override=TriggerRoute,
+        route_class_override=CatchAllRoute,
     )
     return router
 

@@ -74,6 +74,7 @@ class Dashboard:
         # A state of its own: the host's stays as it was, another Cronlock's objects never mix.
         state = dict(scope.get("state") or {})
         state["settings"] = self.serving.settings
+        state["ui_root"] = scope.get("root_path", "")
         scope = {**scope, "state": state}
         path = route_path(scope)
         static = path.startswith(STATIC)
@@ -103,7 +104,7 @@ class Dashboard:
                 return
             if found is None:
                 if scope["method"] in ("GET", "HEAD"):
-                    await _redirect(with_headers, f"{scope.get('root_path', '')}/login")
+                    await _redirect(with_headers, f"{state['ui_root']}/login")
                 else:
                     await _plain(with_headers, 401, "log in first: no session")
                 return

@@ -85,8 +85,10 @@ def _state(request: Request) -> tuple[Database, Registry, Settings]:
 
 def _root(request: Request) -> str:
     """Where the dashboard is mounted (`/ui` in the standalone service; with the server's own
-    root path, `uvicorn --root-path`, in front): every URL it renders starts there."""
-    root: str = request.scope.get("root_path", "")
+    root path, `uvicorn --root-path`, in front): every URL it renders starts there. Kept by
+    the dashboard as it is called (cronlock/web/ui/dashboard.py): its static files' mount
+    sets a `root_path` of its own."""
+    root: str = request.state.ui_root
     return root
 
 
