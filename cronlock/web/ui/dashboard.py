@@ -79,8 +79,12 @@ class Dashboard:
         path = route_path(scope)
         static = path.startswith(STATIC)
 
+        started = False
+
         async def with_headers(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 headers = list(message.get("headers", []))
                 headers.extend(SECURITY_HEADERS)
                 if not static:
@@ -88,40 +92,8 @@ class Dashboard:
                 message["headers"] = headers
             await send(message)
 
-        if not static:
-            try:
-                self.serving.bind(Request(scope))
-            except NotRunning:
-                await pages.problem(Request(scope), 503, NOT_RUNNING, retry=True)(
-                    scope, receive, with_headers
-                )
-                return
-        if not is_open_path(path):
-            try:
-                found = await _session(scope)
-            except DatabaseUnavailable as exc:
-                await _plain(with_headers, 503, f"database unavailable: {exc.reason}")
-                return
-            if found is None:
-                if scope["method"] in ("GET", "HEAD"):
-                    await _redirect(with_headers, f"{state['ui_root']}/login")
-                else:
-                    await _plain(with_headers, 401, "log in first: no session")
-                return
-            state["ui_session"] = found
-            if path == "":
-                # The mount point itself, without its slash (the service routes `/ui` here).
-                await pages.back(Request(scope), "/")(scope, receive, with_headers)
-                return
-        started = False
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await with_headers(message)
-
         try:
-            await self.app(scope, receive, tracked)
+            await self._answer(scope, receive, with_headers, path)
         except Exception:
             # The inner app's handler answered with a page and logged it, then re-raised (as
             # Starlette's error middleware does): it stops here, where the host's middleware
@@ -131,6 +103,36 @@ class Dashboard:
                 await pages.problem(Request(scope), 500, "Something went wrong on our side.")(
                     scope, receive, with_headers
                 )
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        """Bind, check the session, then route (the login page and static files need none)."""
+        state = scope["state"]
+        if not path.startswith(STATIC):
+            try:
+                self.serving.bind(Request(scope))
+            except NotRunning:
+                await pages.problem(Request(scope), 503, NOT_RUNNING, retry=True)(
+                    scope, receive, send
+                )
+                return
+        if not is_open_path(path):
+            try:
+                found = await _session(scope)
+            except DatabaseUnavailable as exc:
+                await _plain(send, 503, f"database unavailable: {exc.reason}")
+                return
+            if found is None:
+                if scope["method"] in ("GET", "HEAD"):
+                    await _redirect(send, f"{state['ui_root']}/login")
+                else:
+                    await _plain(send, 401, "log in first: no session")
+                return
+            state["ui_session"] = found
+            if path == "":
+                # The mount point itself, without its slash (the service routes `/ui` here).
+                await pages.back(Request(scope), "/")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _pages() -> FastAPI:
