@@ -32,7 +32,7 @@ from typing import Any, Literal, Protocol, cast
 from pydantic import BaseModel, ValidationError
 
 from cronlock.core.schedule import Interval, Schedule, ScheduleError, Slots
-from cronlock.db.lock import LockKey, job_lock, lock_key
+from cronlock.db.lock import LockKey, lock_key, lock_text
 from cronlock.db.pool import Conn
 from cronlock.errors import InvalidTrigger, JobDefinitionError, LeaseLost, RunCancelled
 from cronlock.inputs import json_problem, text_problem
@@ -366,7 +366,7 @@ class Registry(Mapping[str, Job]):
     def lock(self, name: str, key: str | None = None) -> LockKey:
         """The advisory lock key of the job (of one of its keys, for a keyed job; see
         cronlock/db/lock.py)."""
-        return lock_key(job_lock(self.schema, name, key), self.namespace)
+        return lock_key(lock_text(self.schema, name, key), self.namespace)
 
     def check_leases(self, query_timeout: float, margin: float) -> None:
         """Refuse a lease too short for this deployment's timeouts: its holder renews every

@@ -24,7 +24,7 @@ from cronlock.core import cancel, ledger, pause
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger
 from cronlock.core.lease_runner import LeaseRunner
 from cronlock.core.outcome import Kind, Outcome
-from cronlock.db.lock import LockKey, job_lock, probe, reset_session, try_lock, verify_keys
+from cronlock.db.lock import LockKey, lock_text, probe, reset_session, try_lock, verify_keys
 from cronlock.db.pool import Conn, Database, deadline, terminate
 from cronlock.errors import (
     CONNECTION_ERRORS,
@@ -228,7 +228,7 @@ class Runner:
     async def _check_keys(self, conn: Conn) -> None:
         assert self.probe_keys is not None
         schema = self.settings.db_schema
-        names = {name: job_lock(schema, name) for name in self.probe_keys}
+        names = {name: lock_text(schema, name) for name in self.probe_keys}
         server = await verify_keys(conn, list(names.values()), self.settings.lock_namespace)
         if any(server[names[name]] != key.key for name, key in self.probe_keys.items()):
             # A big-endian server hashes differently: keep to the lock statement alone.
@@ -281,7 +281,7 @@ class Runner:
                 await tx.start()
                 row = await try_lock(
                     conn,
-                    job_lock(self.settings.db_schema, job.name, key),
+                    lock_text(self.settings.db_schema, job.name, key),
                     self.settings.lock_namespace,
                     db_timeout=job.timeout + self.settings.db_timeout_margin,
                     client_check_interval=self.settings.db_client_check_interval,
