@@ -36,6 +36,17 @@ class JobDefinitionError(CronlockError):
     """A job is declared wrongly (bad name, schedule, colliding lock key); start-up stops."""
 
 
+class ConfigurationError(CronlockError):
+    """What cronlock was given to run on cannot work: an engine that is not PostgreSQL through
+    asyncpg, or keeps prepared statements behind PgBouncer; `ctx.session` without SQLAlchemy.
+    Start-up stops with one line naming what to change."""
+
+
+class TransactionRequired(CronlockError):
+    """`job_lock` was called outside a transaction (autocommit), where a transaction-level
+    lock would be released as soon as it was taken."""
+
+
 class InvalidTrigger(CronlockError):
     """A trigger's parameters are wrong (bad backfill slot, bad params); answered as 422."""
 

@@ -316,6 +316,7 @@ class LeaseRunner:
             attempt=begun.attempt,
             checkpoint=begun.checkpoint,
             steps=fence,
+            sessions=self.runner.sessions,
         )
         holding = Holding(job, fence, ctx, source, time.monotonic() + max(0.0, left))
         holding.task = asyncio.create_task(
