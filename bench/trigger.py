@@ -59,7 +59,7 @@ from bench.common import (
     wrk_script,
 )
 from bench.jobs import ROTATION, done_job, running_job
-from cronlock.db.lock import job_lock
+from cronlock.db.lock import lock_text
 from tests.support.cluster import PgBouncer
 
 
@@ -107,7 +107,7 @@ async def holding_locks(dsn: str, jobs: tuple[str, ...]) -> AsyncIterator[None]:
         tx = conn.transaction()
         await tx.start()
         for name in jobs:
-            await conn.execute(HOLD_LOCK_SQL, job_lock("cronlock", name))
+            await conn.execute(HOLD_LOCK_SQL, lock_text("cronlock", name))
         yield
         await tx.rollback()
     finally:

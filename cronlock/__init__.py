@@ -21,6 +21,7 @@ from cronlock.errors import (
     JobDefinitionError,
     LeaseLost,
     RunCancelled,
+    TransactionRequired,
 )
 from cronlock.instance import Cronlock, Readiness
 from cronlock.settings import Settings, SettingsError
@@ -31,11 +32,14 @@ __all__ = [
     "CronlockError",
     "JobContext",
     "JobDefinitionError",
+    "JobLock",
     "LeaseLost",
     "Readiness",
     "RunCancelled",
     "Settings",
     "SettingsError",
+    "TransactionRequired",
     "__version__",
     "job",
+    "job_lock",
 ]

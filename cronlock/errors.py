@@ -66,6 +66,11 @@ def install_excepthook() -> None:
     sys.excepthook = hook
 
 
+class TransactionRequired(CronlockError):
+    """`job_lock` was called outside a transaction (autocommit), where a transaction-level
+    lock would be released as soon as it was taken."""
+
+
 class InvalidTrigger(CronlockError):
     """A trigger's parameters are wrong (bad backfill slot, bad params); answered as 422."""
 

@@ -38,6 +38,10 @@ from cronlock.core import catchup, retries, scheduler
 from cronlock.core.jobs import Job, JobFunc, JobOptions, Registry, define, load
 from cronlock.core.metrics import Metrics
 from cronlock.core.runner import Runner
+from cronlock.db.engine import check_engine
+from cronlock.db.helper import JobLock
+from cronlock.db.helper import job_lock as take_job_lock
+from cronlock.db.orm import require_sqlalchemy
 from cronlock.db.pool import Database
 from cronlock.delivery import alerts, sender
 from cronlock.errors import JobDefinitionError, install_excepthook
@@ -124,6 +128,15 @@ class Cronlock:
         self.prefix = prefix
         self.engine = engine
         self.session_class = session_class
+        if session_class is not None:
+            require_sqlalchemy("Cronlock(session_class=...)")
+        if engine is not None:
+            check_engine(engine)
+            if not self._settings.database_url:
+                # The few connections of cronlock's own that a pool cannot lend (LISTEN for the
+                # outbox, the CLI) go where the engine goes.
+                url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+                self._settings = self._settings.model_copy(update={"database_url": url})
         self._declared: dict[str, Job] = {}
         self._registry: Registry | None = None
         self._router: APIRouter | None = None
@@ -157,6 +170,14 @@ class Cronlock:
     @property
     def settings(self) -> Settings:
         return self._settings
+
+    def job_lock(
+        self, conn: Any, job: str, key: str | None = None
+    ) -> contextlib.AbstractAsyncContextManager[JobLock]:
+        """`cronlock.job_lock` with this Cronlock's schema and namespace: the very lock its
+        runs of `job` take (docs/orm.md)."""
+        s = self._settings
+        return take_job_lock(conn, job, schema=s.db_schema, namespace=s.lock_namespace, key=key)
 
     @property
     def jobs(self) -> Registry:
@@ -277,9 +298,9 @@ class Cronlock:
                 "give each its own DB_SCHEMA (Settings(db_schema=...))"
             )
         registry = self.jobs
-        db = Database(s)
+        db = Database(s, engine=self.engine)
         await db.open()
-        runner = Runner(s, registry, db, metrics=self.counters)
+        runner = Runner(s, registry, db, metrics=self.counters, session_class=self.session_class)
         started = _Started(db, runner, asyncio.Event())
         self._running[where] = self
         self._started = started

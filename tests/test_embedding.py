@@ -25,6 +25,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
+from sqlalchemy import select
+from sqlmodel import Field, SQLModel
+from sqlmodel.ext.asyncio.session import AsyncSession as SQLModelSession
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cronlock import Cronlock, JobContext, JobDefinitionError, Settings, SettingsError
@@ -34,6 +37,19 @@ from tests.support.asgi import Dispatch, InProcess, LifespanError, serve
 from tests.util import AUTH
 
 READ_TOKEN = "r" * 40
+
+
+class Note(SQLModel, table=True):
+    """A row a job writes through its ORM session."""
+
+    __tablename__ = "embedding_notes"
+    id: int | None = Field(default=None, primary_key=True)
+    run: int
+
+
+NOTES = SQLModel.metadata.tables["embedding_notes"]
+
+
 SHAPE_OF_THE_HOST = {"host": "my own error shape"}
 
 
@@ -430,3 +446,51 @@ def test_a_process_that_dies_of_a_mistake_prints_one_line(tmp_path: Path) -> Non
         assert result.stderr.startswith(line), (name, result.stderr)
         assert len(result.stderr.splitlines()) == 1, (name, result.stderr)
         assert "Traceback" not in result.stderr, name
+
+
+async def test_cronlock_on_the_apps_engine_with_its_orm_session(
+    library_settings: Callable[..., Settings],
+    dispatch: Dispatch,
+    client: httpx.AsyncClient,
+    database_url: str,
+) -> None:
+    """`Cronlock(engine=..., session_class=...)`: one pool for the app and its jobs, the job's
+    SQLModel session on the lock's transaction, `cron.job_lock` the very lock a run takes."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(
+        database_url.replace("postgresql://", "postgresql+asyncpg://", 1),
+        connect_args={"statement_cache_size": 0, "prepared_statement_cache_size": 0},
+        pool_size=4,
+    )
+    cron = Cronlock(
+        library_settings(database_url=None),
+        engine=engine,
+        session_class=SQLModelSession,
+        housekeeping=False,
+    )
+    assert cron.settings.database_url == database_url  # for LISTEN and the CLI
+
+    @cron.job("orm")
+    async def orm(ctx: JobContext) -> str:
+        session = ctx.session
+        assert isinstance(session, SQLModelSession)
+        connection = await session.connection()
+        await connection.run_sync(Note.metadata.create_all, tables=[NOTES])
+        session.add(Note(run=ctx.run_id))
+        return type(session).__module__
+
+    try:
+        async with hosted(dispatch, host_app(cron), cron) as host:
+            async with engine.begin() as conn, cron.job_lock(conn, "orm") as lock:
+                assert lock.acquired
+                held = await client.post(f"{host.url}/cron/orm", headers=AUTH)
+                assert held.json()["reason"] == "already running"
+            ran = await client.post(f"{host.url}/cron/orm", headers=AUTH)
+            assert ran.status_code == 200, ran.text
+            assert ran.json()["processed"] == "sqlmodel.ext.asyncio.session"
+            async with engine.connect() as conn:
+                notes = (await conn.execute(select(NOTES.c.run))).scalars().all()
+            assert notes == [ran.json()["run_id"]]
+    finally:
+        await engine.dispose()

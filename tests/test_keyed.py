@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from cronlock.core import jobs as jobs_module
 from cronlock.core.jobs import job, key_text, load, parse_params
-from cronlock.db.lock import job_lock, lock_key
+from cronlock.db.lock import lock_key, lock_text
 from cronlock.errors import InvalidTrigger, JobDefinitionError
 from tests.util import AUTH, lock_free, post, wait_for
 
@@ -115,8 +115,8 @@ def test_the_key_text_is_the_validated_value() -> None:
 
 
 def test_a_key_less_job_keeps_its_lock_text_and_a_keyed_run_adds_its_key() -> None:
-    assert job_lock("cronlock", "fast") == "cronlock:fast"  # as before keys: no upgrade change
-    assert job_lock("cronlock", "keyed", "42") == "cronlock:keyed:42"
+    assert lock_text("cronlock", "fast") == "cronlock:fast"  # as before keys: no upgrade change
+    assert lock_text("cronlock", "keyed", "42") == "cronlock:keyed:42"
     registry = load(["tests.jobs"])
     assert registry.lock("keyed", "42") == lock_key("cronlock:keyed:42", 0)
     assert registry.lock("keyed", "42") != registry.lock("keyed", "43")
@@ -308,16 +308,16 @@ async def test_the_same_key_twice_at_once_runs_once_other_keys_go_on(
 async def test_two_keys_whose_lock_keys_collide_take_turns_and_each_runs(
     start_app: Starter, client: Any, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What cronlock/db/lock.py `job_lock` says of a 64-bit collision, made on purpose: keys 7 and 8
-    get one lock text, so one key on the server. 8 answers "already running" while 7 runs
+    """What cronlock/db/lock.py `lock_text` says of a 64-bit collision, made on purpose: keys 7
+    and 8 get one lock text, so one key on the server. 8 answers "already running" while 7 runs
     (never both at once), then runs in its turn; each key's run is its own, once."""
     from cronlock.core import runner as runner_module
 
     def colliding(schema: str, job: str, key: str | None = None) -> str:
-        return job_lock(schema, job, "7" if key in ("7", "8") else key)
+        return lock_text(schema, job, "7" if key in ("7", "8") else key)
 
-    monkeypatch.setattr(runner_module, "job_lock", colliding)  # the lock statement's text
-    monkeypatch.setattr(jobs_module, "job_lock", colliding)  # the probe's pg_locks look
+    monkeypatch.setattr(runner_module, "lock_text", colliding)  # the lock statement's text
+    monkeypatch.setattr(jobs_module, "lock_text", colliding)  # the probe's pg_locks look
     a = await start_app("a")
     first = asyncio.create_task(
         post(client, a.url + "/cron/keyed", json={"customer_id": 7, "seconds": 1})
@@ -401,7 +401,7 @@ async def test_a_keyed_run_whose_instance_died_is_closed_as_abandoned(
     assert await _running(db, "keyed", "5")
     instance.kill()
     task.cancel()
-    key = lock_key(job_lock("cronlock", "keyed", "5"), 0)
+    key = lock_key(lock_text("cronlock", "keyed", "5"), 0)
     await wait_for(lambda: _lock_gone(db, key.classid, key.objid), 10, "the lock to go")
     other = start_instance("k2")
     await client.get(other.url + "/cron/jobs", headers=AUTH)

@@ -434,13 +434,13 @@ async def test_the_probe_reads_a_live_lease(
 ) -> None:
     """The trigger path's first look answers "already running" from the lease alone (no
     advisory lock is held between steps), for lease jobs only."""
-    from cronlock.db.lock import job_lock, lock_key, probe
+    from cronlock.db.lock import lock_key, lock_text, probe
 
     a = await start(start_app)
     r = await client.post(
         f"{a.url}/cron/lease-items", headers=AUTH, json={"n": 40, "batch": 2, "pause": 0.05}
     )
-    key = lock_key(job_lock("cronlock", "lease-items"), 0)
+    key = lock_key(lock_text("cronlock", "lease-items"), 0)
     as_lease = await probe(effects_table, "cronlock", "lease-items", key, lease=True)
     as_plain = await probe(effects_table, "cronlock", "lease-items", key)
     assert (as_lease["running"], as_plain["running"]) == (True, False)

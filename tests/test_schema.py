@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from cronlock.cli import main as cli
-from cronlock.db.lock import internal_lock, job_lock, lock_key
+from cronlock.db.lock import internal_lock, lock_key, lock_text
 from cronlock.db.pool import Database
 from cronlock.db.schema import (
     Migration,
@@ -99,11 +99,11 @@ def test_the_schema_is_a_plain_identifier_of_our_own() -> None:
 
 def test_locks_and_channels_belong_to_one_deployment() -> None:
     """Advisory locks and NOTIFY channels are database-wide: each derives from the schema."""
-    a, b = job_lock("cronlock", "daily-digest"), job_lock("other", "daily-digest")
+    a, b = lock_text("cronlock", "daily-digest"), lock_text("other", "daily-digest")
     assert lock_key(a, 0) != lock_key(b, 0)
     assert internal_lock("cronlock", "migrate") != internal_lock("other", "migrate")
     # "::" cannot be a job's (job names have no ':'), so no job takes the migration lock.
-    assert internal_lock("cronlock", "migrate") != job_lock("cronlock", "migrate")
+    assert internal_lock("cronlock", "migrate") != lock_text("cronlock", "migrate")
     assert notify_channel("cronlock") != notify_channel("other")
 
 

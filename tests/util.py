@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import httpx
 
-from cronlock.db.lock import LockKey, job_lock, lock_key
+from cronlock.db.lock import LockKey, lock_key, lock_text
 from tests.support import TEST_SECRET
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ async def effects(db: asyncpg.Connection, job: str | None = None) -> int:
 
 def job_key(job: str, namespace: int = 0, schema: str = "cronlock") -> LockKey:
     """The advisory key of a job in a deployment (DB_SCHEMA, LOCK_NAMESPACE)."""
-    return lock_key(job_lock(schema, job), namespace)
+    return lock_key(lock_text(schema, job), namespace)
 
 
 async def lock_held(db: asyncpg.Connection, job: str, namespace: int = 0) -> bool:

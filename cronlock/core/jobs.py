@@ -15,6 +15,10 @@ The key's canonical text (`key_text`) is what is locked, stored in the ledger an
 A lease job (`lease=` seconds) runs outside one transaction: it has no `ctx.conn`, and writes
 only in steps (`async with ctx.step() as conn:`), each a short transaction fenced by the run's
 lease (cronlock/core/lease.py), committed with `ctx.checkpoint`, from which a later attempt resumes.
+
+`ctx.session` (the `sqlalchemy` extra) is a SQLAlchemy AsyncSession on the same connection and
+in the same transaction as `ctx.conn` (a lease job's: the open step's); its `commit()` releases
+a savepoint, never the lock's transaction (cronlock/db/orm.py, docs/orm.md).
 """
 
 from __future__ import annotations
@@ -27,16 +31,20 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, Protocol, TypedDict, Unpack, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, Unpack, cast
 
 from pydantic import BaseModel, ValidationError
 
 from cronlock.core.schedule import Interval, Schedule, ScheduleError, Slots
-from cronlock.db.lock import LockKey, job_lock, lock_key
+from cronlock.db.lock import LockKey, lock_key, lock_text
+from cronlock.db.orm import Sessions, SessionScope
 from cronlock.db.pool import Conn
 from cronlock.errors import InvalidTrigger, JobDefinitionError, LeaseLost, RunCancelled
 from cronlock.inputs import json_problem, text_problem
 from cronlock.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
 
 __all__ = [
     "Job",
@@ -44,6 +52,7 @@ __all__ = [
     "LeaseLost",
     "Registry",
     "RunCancelled",
+    "call",
     "job",
     "key_text",
     "load",
@@ -117,6 +126,35 @@ class JobContext:
     checkpoint: Any = None
     progress: Any = None
     steps: Steps | None = None
+    # What makes `ctx.session` (the runner's `session_class`); None: SQLAlchemy's AsyncSession.
+    sessions: Sessions | None = None
+    # The session of the run (one-transaction jobs) or of the open step (lease jobs).
+    _scope: SessionScope | None = field(default=None, init=False, repr=False)
+
+    @property
+    def session(self) -> AsyncSession:
+        """A SQLAlchemy AsyncSession on `conn`, inside the lock's transaction (made at first
+        use; the `sqlalchemy` extra). Its writes commit with the run, once, or roll back with
+        it; `session.commit()` releases a savepoint, `session.rollback()` rolls back to it. A
+        lease job has one per step, inside `async with ctx.step():`. See docs/orm.md."""
+        if self._scope is None:
+            if self.steps is not None:
+                raise RuntimeError(
+                    f"job {self.job.name!r} is a lease job: its ctx.session exists inside a "
+                    "step (`async with ctx.step():`), in the step's transaction"
+                )
+            self._scope = (self.sessions or Sessions()).scope(self.conn)
+        return self._scope.session
+
+    def enter_session_scope(self, conn: Conn) -> None:
+        """Make `session` the one of a transaction on `conn` (a lease step; a fan-out item)."""
+        self._scope = (self.sessions or Sessions()).scope(conn)
+
+    async def leave_session_scope(self, *, commit: bool) -> None:
+        """Settle the session of the current scope, if one was made (see `SessionScope`)."""
+        scope, self._scope = self._scope, None
+        if scope is not None:
+            await scope.finish(commit=commit)
 
     @property
     def schema(self) -> str:
@@ -135,6 +173,19 @@ class JobContext:
 
 
 JobFunc = Callable[[JobContext], Coroutine[Any, Any, Any]]
+
+
+async def call(func: JobFunc, ctx: JobContext) -> Any:
+    """A one-transaction job's function, then its session settled in the same task (so within
+    the job's timeout, and a failing flush is the job's failure): committed into the run's
+    transaction when the job returned, rolled back when it raised."""
+    returned = False
+    try:
+        result = await func(ctx)
+        returned = True
+    finally:
+        await ctx.leave_session_scope(commit=returned)
+    return result
 
 
 @dataclass(frozen=True)
@@ -400,7 +451,7 @@ class Registry(Mapping[str, Job]):
     def lock(self, name: str, key: str | None = None) -> LockKey:
         """The advisory lock key of the job (of one of its keys, for a keyed job; see
         cronlock/db/lock.py)."""
-        return lock_key(job_lock(self.schema, name, key), self.namespace)
+        return lock_key(lock_text(self.schema, name, key), self.namespace)
 
     def check_leases(self, query_timeout: float, margin: float) -> None:
         """Refuse a lease too short for this deployment's timeouts: its holder renews every

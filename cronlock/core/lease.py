@@ -498,9 +498,14 @@ class Fence:
                 reason = exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc)
                 raise self._give_up(f"a step could not begin: {reason}") from exc
             self.step_renewed = started
+            # `ctx.session` inside the step is the step's, in its transaction (cronlock/db/orm.py)
+            ctx.enter_session_scope(conn)
             try:
                 yield conn
+                # Its pending writes flushed and its savepoint released, before the checkpoint.
+                await ctx.leave_session_scope(commit=True)
             except BaseException as exc:
+                await ctx.leave_session_scope(commit=False)
                 if conn.is_closed() or isinstance(exc, BROKEN):
                     # The step's connection broke under the job's statements: nothing of the
                     # step committed, but this holder cannot tell what else the server saw.

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from cronlock.core import lease, ledger
 from cronlock.core.jobs import Job, JobContext, Trigger, steps_only
 from cronlock.core.outcome import Kind, Outcome
-from cronlock.db.lock import job_lock, try_lock
+from cronlock.db.lock import lock_text, try_lock
 from cronlock.db.pool import deadline
 from cronlock.errors import (
     DRIVER_ERRORS,
@@ -116,7 +116,7 @@ class LeaseRunner:
                 async with conn.transaction(isolation="read_committed"):
                     row = await try_lock(
                         conn,
-                        job_lock(schema, job.name, key),
+                        lock_text(schema, job.name, key),
                         settings.lock_namespace,
                         db_timeout=settings.db_query_timeout,
                         client_check_interval=settings.db_client_check_interval,
@@ -316,6 +316,7 @@ class LeaseRunner:
             attempt=begun.attempt,
             checkpoint=begun.checkpoint,
             steps=fence,
+            sessions=self.runner.sessions,
         )
         holding = Holding(job, fence, ctx, source, time.monotonic() + max(0.0, left))
         holding.task = asyncio.create_task(

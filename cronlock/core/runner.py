@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from cronlock.core import cancel, ledger, pause
-from cronlock.core.jobs import Job, JobContext, Registry, Trigger
+from cronlock.core.jobs import Job, JobContext, Registry, Trigger, call
 from cronlock.core.lease_runner import LeaseRunner
 from cronlock.core.outcome import Kind, Outcome
-from cronlock.db.lock import LockKey, job_lock, probe, reset_session, try_lock, verify_keys
+from cronlock.db.lock import LockKey, lock_text, probe, reset_session, try_lock, verify_keys
+from cronlock.db.orm import SessionFactory, Sessions
 from cronlock.db.pool import Conn, Database, deadline, terminate
 from cronlock.errors import (
     CONNECTION_ERRORS,
@@ -73,11 +74,16 @@ class Runner:
         registry: Registry,
         db: Database,
         metrics: Metrics | None = None,
+        *,
+        session_class: SessionFactory | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
         self.db = db
         self.metrics = metrics
+        # What `ctx.session` is made with (cronlock/db/orm.py): SQLAlchemy's AsyncSession by
+        # default, SQLModel's if asked; SQLAlchemy itself is imported at the first session.
+        self.sessions = Sessions(session_class)
         # Jobs this instance is running (or deciding about) now, per key for keyed jobs (None
         # for the others): a second trigger for one of them is answered "already running"
         # without touching the database, so skips stay answerable even when long jobs hold
@@ -90,7 +96,7 @@ class Runner:
         # needs a second connection for a moment (its ledger row commits outside it), and if
         # every connection held a lock transaction waiting for one, none would get it (every
         # job refused, and their locks held meanwhile make other instances skip them too).
-        self.lock_slots = asyncio.Semaphore(max(1, settings.db_pool_max_size - 1))
+        self.lock_slots = asyncio.Semaphore(max(1, db.max_connections - 1))
         # Lock keys as computed here; checked against the server's once (see `_probe`).
         self.probe_keys: dict[str, LockKey] | None = {
             name: registry.lock(name) for name in registry
@@ -228,7 +234,7 @@ class Runner:
     async def _check_keys(self, conn: Conn) -> None:
         assert self.probe_keys is not None
         schema = self.settings.db_schema
-        names = {name: job_lock(schema, name) for name in self.probe_keys}
+        names = {name: lock_text(schema, name) for name in self.probe_keys}
         server = await verify_keys(conn, list(names.values()), self.settings.lock_namespace)
         if any(server[names[name]] != key.key for name, key in self.probe_keys.items()):
             # A big-endian server hashes differently: keep to the lock statement alone.
@@ -281,7 +287,7 @@ class Runner:
                 await tx.start()
                 row = await try_lock(
                     conn,
-                    job_lock(self.settings.db_schema, job.name, key),
+                    lock_text(self.settings.db_schema, job.name, key),
                     self.settings.lock_namespace,
                     db_timeout=job.timeout + self.settings.db_timeout_margin,
                     client_check_interval=self.settings.db_client_check_interval,
@@ -332,6 +338,7 @@ class Runner:
                 instance=self.settings.instance_name,
                 settings=self.settings,
                 key=key,
+                sessions=self.sessions,
             )
             handed_over = True
             return _Lease(job, conn, tx, ctx)
@@ -395,7 +402,7 @@ class Runner:
         job, conn, ctx = lease.job, lease.conn, lease.ctx
         try:
             task: asyncio.Task[Any] = asyncio.create_task(
-                job.func(ctx), name=f"job:{job.name}:{ctx.run_id}"
+                call(job.func, ctx), name=f"job:{job.name}:{ctx.run_id}"
             )
             # The holder watches its row for a cancel request (cronlock/core/cancel.py): any
             # instance can write one, and it reaches a job whatever it awaits.

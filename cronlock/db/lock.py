@@ -132,7 +132,7 @@ PG_LOCKS_OURS = (
 )
 # A row's key as `hashtextextended` returns it: classid is the high half, objid the low one.
 PG_LOCKS_KEY = "((l.classid::bigint << 32) | l.objid::bigint)"
-# A job's key in SQL (see `job_lock`), from the schema, the job name, the run's key (NULL for
+# A job's key in SQL (see `lock_text`), from the schema, the job name, the run's key (NULL for
 # a key-less job: `':' || NULL` is NULL, so coalesce leaves the text as before keys) and the
 # namespace.
 JOB_KEY_SQL = (
@@ -156,11 +156,11 @@ async def held_locks(conn: Conn) -> list[asyncpg.Record]:
 
 
 def lock_key(name: str, namespace: int) -> LockKey:
-    """The key of a lock name (see `job_lock` and `internal_lock`)."""
+    """The key of a lock name (see `lock_text` and `internal_lock`)."""
     return LockKey(hashtextextended(name, namespace))
 
 
-def job_lock(schema: str, job: str, key: str | None = None) -> str:
+def lock_text(schema: str, job: str, key: str | None = None) -> str:
     """The text a job's lock key is hashed from; a keyed job's run adds its key's text.
 
     A key-less job's text is what it always was, so an upgrade changes no lock. Different
@@ -177,7 +177,7 @@ def internal_lock(schema: str, what: str) -> str:
 
 
 async def verify_keys(conn: Conn, names: list[str], namespace: int) -> dict[str, int]:
-    """The server's keys for lock `names` (`job_lock` texts); differs from `lock_key` only on
+    """The server's keys for lock `names` (`lock_text` texts); differs from `lock_key` only on
     a big-endian server."""
     rows = await conn.fetch(
         "SELECT n, hashtextextended(n, $2) AS k FROM unnest($1::text[]) AS n", names, namespace

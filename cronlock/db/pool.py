@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, cast
 
 import asyncpg
 
-from cronlock.db import schema
+from cronlock.db import codecs, schema
 from cronlock.db.primary import Hosts, ServerConnection, read_timeline, record_timeline, timeline_of
 from cronlock.errors import (
     CONNECTION_ERRORS,
     DRIVER_ERRORS,
+    ConfigurationError,
+    DatabaseMisconfigured,
     DatabaseUnavailable,
     describe,
     translate,
 )
 from cronlock.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 log = logging.getLogger("cronlock.db")
 
@@ -71,10 +76,9 @@ def deadline(conn: Conn, seconds: float) -> Iterator[None]:
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
-    # jsonb in and out as Python values; the codec is per connection, set once when opened.
-    await conn.set_type_codec(
-        "jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog", format="text"
-    )
+    # jsonb in and out as Python values; the codec is per connection, set once when opened
+    # (cronlock/db/codecs.py: what an ORM session sets meanwhile is put back at once).
+    await codecs.set_ours(conn)
 
 
 async def _reset_connection(conn: asyncpg.Connection) -> None:
@@ -156,10 +160,20 @@ class Database:
     The pool connects lazily and `watch` keeps the facts fresh in the background, so an
     instance starts (and answers 503 with a reason) while the database is down, a standby, or
     not migrated yet.
+
+    `engine`: take connections from this SQLAlchemy AsyncEngine's pool instead of a pool of
+    cronlock's own (cronlock/db/engine.py; DATABASE_URL is then not needed for them). Refused
+    here, in one line, unless it is PostgreSQL through asyncpg; its statement caches are
+    checked when `open` reaches the database (and on every connection taken).
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, engine: AsyncEngine | None = None) -> None:
         self.settings = settings
+        if engine is not None:
+            from cronlock.db.engine import check_engine
+
+            check_engine(engine)
+        self.engine = engine
         self._pool: asyncpg.Pool | None = None
         self.server_version = 0
         self.migrated = False
@@ -176,8 +190,37 @@ class Database:
         self.hosts = Hosts(settings.database_url or "")
 
     async def open(self) -> None:
-        if self._pool is None and self.settings.database_url:
+        if self._pool is None and self.engine is not None:
+            await self._open_engine(self.engine)
+        elif self._pool is None and self.settings.database_url:
             self._pool = await create_pool(self.settings, hosts=self.hosts)
+
+    async def _open_engine(self, engine: AsyncEngine) -> None:
+        """Use the engine's pool; a statement cache it keeps behind PgBouncer stops start-up
+        (ConfigurationError) when the database answers now, else its first connection."""
+        from cronlock.db.engine import EnginePool
+
+        pool = EnginePool(engine, self.settings.db_statement_cache_size)
+        self._pool = cast(asyncpg.Pool, pool)
+        try:
+            conn = await self.acquire()
+        except DatabaseMisconfigured as exc:
+            self._pool = None
+            raise ConfigurationError(exc.reason) from exc
+        except DatabaseUnavailable as exc:
+            log.warning("engine not checked at start-up: %s", exc.reason)
+            return
+        await self.release(conn)
+
+    @property
+    def max_connections(self) -> int:
+        """How many connections cronlock may hold at once: DB_POOL_MAX_SIZE, or the engine
+        pool's capacity (DB_POOL_MAX_SIZE when that is unbounded)."""
+        if self.engine is not None:
+            from cronlock.db.engine import capacity
+
+            return capacity(self.engine) or self.settings.db_pool_max_size
+        return self.settings.db_pool_max_size
 
     async def close(self) -> None:
         """Close the pool once every connection is back, terminating what is still out after

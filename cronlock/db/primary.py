@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import asyncpg
@@ -57,8 +57,10 @@ def timeline_of(conn: object) -> int | None:
 def record_timeline(conn: object, timeline: int | None) -> None:
     """Record a timeline on a connection or on the one behind a pool's proxy."""
     raw = getattr(conn, "_con", conn)
-    if isinstance(raw, ServerConnection):
-        raw.timeline = timeline
+    # Not isinstance: asyncpg's connection metaclass answers True for any connection (an
+    # engine's plain asyncpg.Connection, cronlock/db/engine.py), which has no `timeline`.
+    if issubclass(type(raw), ServerConnection):
+        cast(ServerConnection, raw).timeline = timeline
 
 
 def parse_timeline(walfile: str | None) -> int | None:
