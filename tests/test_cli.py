@@ -745,12 +745,19 @@ async def test_catch_up_runs_a_missed_slot_once(
 
 
 class Served(Instance):
-    """`python -m cronlock serve`, as the README's first command and the Dockerfile run it, in a
-    folder of its own (where `var/` would go)."""
+    """`python -m cronlock serve`, as the README's first command runs it (`python -m app serve`,
+    the repository's service shell, as the Dockerfile runs it), in a folder of its own (where
+    `var/` would go)."""
+
+    module = "cronlock"
 
     def command(self) -> list[str]:
         host_port = ["--host", "127.0.0.1", "--port", str(self.port)]
-        return [sys.executable, "-m", "cronlock", "serve", *host_port]
+        return [sys.executable, "-m", self.module, "serve", *host_port]
+
+
+class ServedAsTheImage(Served):
+    module = "app"
 
     def cwd(self) -> Path:
         return self.dir
@@ -781,7 +788,7 @@ async def test_serve_as_the_image_runs_it(
         "OUTBOX_ENABLED": "false",
         "GRACEFUL_SHUTDOWN_TIMEOUT": "1.5",
     }
-    served = Served("image", env, dir=serve_dir, ready_path="/readyz")
+    served = ServedAsTheImage("image", env, dir=serve_dir, ready_path="/readyz")
     report_logs([served])
     served.start()
     try:

@@ -3,16 +3,21 @@ real servers of their own (not the session's)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import grp
+import json
 import os
+import pwd
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import asyncpg
@@ -207,6 +212,35 @@ def test_an_empty_data_dir_is_initialised_in_place(scratch: Path) -> None:
         server.start()
         assert data.stat().st_ino == inode
         assert (data / "PG_VERSION").exists()
+    finally:
+        server.stop()
+
+
+async def test_a_lost_password_file_is_made_again_at_the_next_start(scratch: Path) -> None:
+    """With a password file, nothing gets in without the password; a deleted file gets a new
+    password at the next start (the old one no longer works), and lines added to our
+    pg_hba.conf are kept; while the server runs, a deleted file is a SetupError."""
+    folder = Path(tempfile.mkdtemp(dir=scratch))
+    passfile = folder / "pg.pgpass"
+    server = LocalPostgres(folder / "pg", password_file=passfile)
+    try:
+        dsn = server.start()
+        assert dsn.endswith(f"/postgres?passfile={passfile}")
+        assert await fetchval(dsn, "SELECT current_user") == "postgres"
+        with pytest.raises(asyncpg.InvalidPasswordError):
+            await fetchval(dsn.split("?")[0], "SELECT 1")
+        old = passfile.read_text()
+        with (server.data_dir / "pg_hba.conf").open("a") as hba:
+            hba.write("# added by hand\n")
+        passfile.unlink()
+        with pytest.raises(SetupError, match="which is gone"):
+            LocalPostgres(server.data_dir, password_file=passfile).start()
+        server.stop()
+        assert server.start() == dsn
+        assert not server.upgraded
+        assert passfile.read_text() != old
+        assert await fetchval(dsn, "SELECT current_user") == "postgres"
+        assert (server.data_dir / "pg_hba.conf").read_text().endswith("# added by hand\n")
     finally:
         server.stop()
 
@@ -485,4 +519,251 @@ def test_sigterm_during_initdb_leaves_nothing(scratch: Path) -> None:
         assert sorted(p.name for p in root.iterdir()) == ["pg.run", "serve.log"]
         assert "Traceback" not in log.read_text()
     finally:
+        kill_leftovers(data, process)
+
+
+# --- who may connect: the serve's own OS user only (issue 27) --------------------------------
+
+
+def intrude(port: int, socket_dir: Path, passfile: Path, marker: Path) -> dict[str, str]:
+    """What another OS user gets: the password file read, then every way in over TCP and the
+    socket, as the superuser and other roles, each followed by COPY ... TO PROGRAM if in."""
+    said = {}
+    try:
+        passfile.read_text()
+        said["read passfile"] = "read it"
+    except OSError as exc:
+        said["read passfile"] = type(exc).__name__
+    said.update(asyncio.run(try_every_way_in(port, str(socket_dir), str(marker))))
+    return said
+
+
+async def try_every_way_in(port: int, socket_dir: str, marker: str) -> dict[str, str]:
+    said = {}
+    for host in ("127.0.0.1", socket_dir):
+        for user in ("postgres", "reader", "nobody"):
+            for password in (None, "guess"):
+                try:
+                    conn = await asyncpg.connect(
+                        host=host,
+                        port=port,
+                        user=user,
+                        database="postgres",
+                        password=password,
+                        timeout=10,
+                    )
+                except Exception as exc:
+                    said[f"{host} {user} {password}"] = f"{type(exc).__name__}: {exc}"
+                    continue
+                try:
+                    await conn.execute(f"COPY (SELECT 1) TO PROGRAM 'touch {marker}'")
+                    said[f"{host} {user} {password}"] = "in: COPY TO PROGRAM ran"
+                except Exception as exc:
+                    said[f"{host} {user} {password}"] = f"in: {type(exc).__name__}"
+                finally:
+                    await conn.close()
+    return said
+
+
+def in_child_as(user: str, work: Callable[[], dict[str, str]]) -> dict[str, str]:
+    """`work()` in a forked child that became `user`: the interpreter may live where `user`
+    cannot exec it (a pyenv under /root), and asyncpg is imported already."""
+    entry = pwd.getpwnam(user)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child, which ends with os._exit
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(entry.pw_gid)
+            os.setuid(entry.pw_uid)
+            os.chdir("/")
+            # As that user's own process would be: its home, none of our PG* settings.
+            for name in [name for name in os.environ if name.startswith("PG")]:
+                del os.environ[name]
+            os.environ["HOME"] = entry.pw_dir
+            said = json.dumps(work())
+            code = 0
+        except BaseException as exc:
+            said = json.dumps({"child failed": repr(exc)})
+        with os.fdopen(write, "w") as out:
+            out.write(said)
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as got:
+        text = got.read()
+    _, status = os.waitpid(pid, 0)
+    answer: dict[str, str] = json.loads(text)
+    assert os.waitstatus_to_exitcode(status) == 0, answer
+    return answer
+
+
+def other_user() -> str:
+    """`nobody`, created if the system has none."""
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "nobody"], check=True)
+    return "nobody"
+
+
+def psql_tool() -> str:
+    bundled = embedded.find_bindir() / "psql"
+    found = str(bundled) if bundled.is_file() else shutil.which("psql")
+    if found is None:
+        pytest.skip("no psql next to the server binaries nor on PATH")
+    return found
+
+
+def as_other_user(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        args,
+        user=other_user(),
+        group="nogroup" if _has_group("nogroup") else None,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent", **env},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _has_group(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def make_trust_data_dir(data: Path) -> LocalPostgres:
+    """A data dir as serve made it before issue 27 (initdb -A trust), holding a table."""
+    made = LocalPostgres(data)
+    made.start()
+    asyncio.run(fetchval(made.dsn(), "CREATE TABLE kept AS SELECT 42 AS answer"))
+    assert "trust" in (data / "pg_hba.conf").read_text()
+    return made
+
+
+async def as_the_same_user(url: str) -> object:
+    """Connect with serve's URL (to its `postgres` database), add a role with no password;
+    the kept table's value, if any."""
+    conn = await asyncpg.connect(url.replace("/cronlock?", "/postgres?"))
+    try:
+        await conn.execute("CREATE ROLE reader LOGIN")
+        return await conn.fetchval("SELECT answer FROM kept")
+    except asyncpg.UndefinedTableError:
+        return None
+    finally:
+        await conn.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can try as another OS user")
+@pytest.mark.parametrize("given", ["a new folder", "a trust data dir", "a running trust server"])
+def test_serve_lets_no_other_os_user_in(scratch: Path, given: str) -> None:
+    """While serve runs, another OS user (`nobody`) gets in neither over TCP nor through the
+    socket, with psql or asyncpg, as the superuser or any other role, so COPY ... TO PROGRAM
+    never runs; the same after a data dir made with trust (the release before) is upgraded,
+    stopped or running, with its data kept. The same user (here root, whose server runs as
+    `postgres`) gets in with the URL serve printed, with asyncpg, psql and the CLI; nothing
+    serve printed holds the password."""
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    # Everything on the way is open to others, as a home directory may be: what keeps them
+    # out must be the server's own folders and files, not a 0700 temp directory above them.
+    embedded.make_traversable(root)
+    root.chmod(0o755)
+    data = root / "pg"
+    found = make_trust_data_dir(data) if given != "a new folder" else None
+    if found is not None and given == "a trust data dir":
+        found.stop()
+    log = root / "serve.log"
+    port = free_port()
+    process = start_serve(data, port, log)
+    marker = Path(tempfile.gettempdir()) / f"cronlock-pwned-{os.getpid()}-{port}"
+    try:
+        wait_healthy(port, process, log)
+        said = log.read_text()
+        passfile = root / "pg.pgpass"
+        password = passfile.read_text().strip().rsplit(":", 1)[1]
+        assert len(password) >= 32
+        assert stat.S_IMODE(passfile.stat().st_mode) == 0o600
+        assert passfile.stat().st_uid == os.geteuid()
+        run_dir = root / "pg.run"
+        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+        pg_port = int((data / "postmaster.pid").read_text().splitlines()[3])
+        url = f"postgresql://postgres@127.0.0.1:{pg_port}/cronlock?passfile={passfile}"
+        assert f"({url})" in said
+        upgraded = [line for line in said.splitlines() if "upgraded" in line]
+        if found is None:
+            assert upgraded == []
+        else:
+            assert len(upgraded) == 1
+            assert f"password in {passfile}" in upgraded[0]
+        hba = [line.split() for line in (data / "pg_hba.conf").read_text().splitlines()]
+        assert [fields[-1] for fields in hba if fields and not fields[0].startswith("#")] == [
+            "scram-sha-256"
+        ] * 6
+
+        # The same user: the printed URL, with asyncpg, the CLI and psql.
+        assert asyncio.run(as_the_same_user(url)) == (None if found is None else 42)
+        cli = subprocess.run(
+            [sys.executable, "-m", "cronlock", "jobs"],
+            env=serve_env(data, DATABASE_URL=url),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert "daily-digest" in cli.stdout
+        psql = psql_tool()
+        mine = subprocess.run(
+            [psql, "-w", "-At", url, "-c", "SELECT current_user"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert (mine.returncode, mine.stdout.strip()) == (0, "postgres"), mine.stderr
+
+        # Another OS user: psql over TCP and the socket, every role, no or a guessed password.
+        copy = f"COPY (SELECT 1) TO PROGRAM 'touch {marker}'"
+        for host in ("127.0.0.1", str(run_dir)):
+            for role in ("postgres", "reader", "nobody"):
+                for guess in ({}, {"PGPASSWORD": "guess"}):
+                    args = [psql, "-w", "-h", host, "-p", str(pg_port), "-U", role]
+                    tried = as_other_user([*args, "-d", "postgres", "-c", copy], **guess)
+                    assert tried.returncode != 0, (host, role, tried.stdout)
+                    why = "Permission denied" if host != "127.0.0.1" else "password"
+                    assert why in tried.stderr, (host, role, tried.stderr)
+        # ... and asyncpg.
+        results = in_child_as(
+            other_user(),
+            lambda: intrude(pg_port, run_dir, passfile, marker),
+        )
+        assert results.pop("read passfile") == "PermissionError"
+        assert len(results) == 12
+        for attempt, result in results.items():
+            if "127.0.0.1" in attempt:
+                assert result.startswith(("InvalidPasswordError", "ClientConfiguration")), (
+                    attempt,
+                    result,
+                )
+            else:
+                assert result.startswith("PermissionError"), (attempt, result)
+        assert not marker.exists()
+
+        # Nothing serve printed, nor the server's log, holds the password.
+        assert password not in log.read_text()
+        assert password not in (run_dir / "postgres.log").read_text()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 128 + signal.SIGTERM
+    finally:
+        marker.unlink(missing_ok=True)
+        if found is not None:
+            found.stop()
         kill_leftovers(data, process)

@@ -363,6 +363,12 @@ async def test_mistakes_are_refused_at_start_up_in_one_line(
         JobDefinitionError, match=r"'app\.demo\.digest' moved: name 'cronlock\.demo"
     ):
         _ = Cronlock(library_settings(), jobs=["app.demo.digest"]).jobs
+    with pytest.raises(JobDefinitionError) as old:
+        _ = Cronlock(library_settings(), jobs=["tests.old_jobs"]).jobs
+    assert str(old.value) == (
+        "CRON_JOBS: 'tests.old_jobs' imports 'app.jobs', which moved to 'cronlock': change the "
+        "import (`from cronlock import job, JobContext`)"
+    )
 
 
 def test_settings_from_the_environment_serve_no_demo_jobs(

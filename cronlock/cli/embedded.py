@@ -6,17 +6,32 @@ The binaries come from, in order: `CRONLOCK_PG_BINDIR`, `pg_config --bindir`, th
 Whatever the source, the same code path (initdb, postgres, pg_isready) runs them. PostgreSQL
 refuses to run as root, so when we are root every server command runs as the `postgres` system
 user, in folders that user owns.
+
+With a password file (what `serve` gives it), the server lets no one in without the password:
+SCRAM over TCP and over its socket alike (pg_hba.conf has no `trust` line), the socket in a
+folder only the server's OS user may enter, the password in a file only ours may read (mode
+0600). As root, "ours" is root's and the server's `postgres` user's: root may read anything,
+and `postgres` owns the data dir anyway. The server never sees the password itself, only its
+SCRAM verifier, set in single-user mode before the server first listens. A data dir made with
+`trust` (cronlock before issue 27) is upgraded in place at its next start. Without a password
+file (the tests' throwaway servers), every connection from 127.0.0.1 is trusted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import base64
+import concurrent.futures
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import importlib.util
 import os
 import pwd
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +42,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import quote
+
+import asyncpg
 
 SERVICE_USER = "postgres"
 SUPERUSER = "postgres"
@@ -36,6 +54,22 @@ STOP_TIMEOUT = 30.0
 MAX_SOCKET_PATH = 107
 CONF_NAME = "cronlock.conf"
 INCLUDE_LINE = f"include_if_exists = '{CONF_NAME}'"
+# pg_hba.conf of a server with a password file: its first line says it is ours (a data dir
+# whose pg_hba.conf lacks it is upgraded at start). Every line asks for the password.
+HBA_MARKER = "# cronlock: password (SCRAM) for every connection, no trust line"
+HBA = f"""{HBA_MARKER}
+# written by cronlock (cronlock/cli/embedded.py) in place of a file without the line above; lines
+# added below are yours (and a `trust` line is everyone's on this machine)
+# TYPE  DATABASE     USER  ADDRESS        METHOD
+local   all          all                  scram-sha-256
+host    all          all   127.0.0.1/32   scram-sha-256
+host    all          all   ::1/128        scram-sha-256
+local   replication  all                  scram-sha-256
+host    replication  all   127.0.0.1/32   scram-sha-256
+host    replication  all   ::1/128        scram-sha-256
+"""
+# The SCRAM iteration count PostgreSQL itself uses (scram_iterations' default).
+SCRAM_ITERATIONS = 4096
 
 BASE_SETTINGS = {
     "listen_addresses": "127.0.0.1",
@@ -183,19 +217,28 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 def run_tool(
-    args: Sequence[str], *, timeout: float, cwd: Path | None = None, as_service: bool = True
+    args: Sequence[str],
+    *,
+    timeout: float,
+    cwd: Path | None = None,
+    as_service: bool = True,
+    stdin: str | None = None,
 ) -> str:
     """Run a server tool to completion; raise PostgresError with its output if it fails.
 
     Output goes through a temporary file, not a pipe: a tool that leaves a child behind
-    holding the pipe (as `pg_ctl start` does) would make reading it never end.
+    holding the pipe (as `pg_ctl start` does) would make reading it never end. `stdin`, if
+    given, is written to the tool's standard input (never its argv, which `ps` shows).
     """
     extra = as_service_user() if as_service else {}
+    if stdin is None:
+        extra["stdin"] = subprocess.DEVNULL
+    else:
+        extra["input"] = stdin.encode()
     with tempfile.TemporaryFile("w+") as out:
         try:
             result = subprocess.run(
                 list(args),
-                stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 timeout=timeout,
@@ -211,6 +254,55 @@ def run_tool(
     if result.returncode != 0:
         raise PostgresError(f"{' '.join(args)} failed ({result.returncode}):\n{output}")
     return output
+
+
+def scram_verifier(password: str) -> str:
+    """The SCRAM-SHA-256 secret PostgreSQL stores for `password` (RFC 5802/7677), as
+    `ALTER ROLE ... PASSWORD` takes it: the server, its logs and its errors never see the
+    password itself, and the verifier does not let anyone log in."""
+    salt = os.urandom(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, SCRAM_ITERATIONS)
+    client_key = hmac.new(salted, b"Client Key", hashlib.sha256).digest()
+    stored_key = hashlib.sha256(client_key).digest()
+    server_key = hmac.new(salted, b"Server Key", hashlib.sha256).digest()
+    b64 = base64.b64encode
+    return (
+        f"SCRAM-SHA-256${SCRAM_ITERATIONS}:{b64(salt).decode()}"
+        f"${b64(stored_key).decode()}:{b64(server_key).decode()}"
+    )
+
+
+def read_password(path: Path) -> str | None:
+    """The superuser's password from a password file (PostgreSQL's pgpass format, one line
+    `*:*:*:postgres:<password>`), or None if there is no file."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise SetupError(f"{path} cannot be read: {exc.strerror}") from exc
+    for line in text.splitlines():
+        fields = line.split(":")
+        if len(fields) == 5 and fields[3] == SUPERUSER and fields[4]:
+            return fields[4]
+    raise SetupError(f"{path} holds no password for {SUPERUSER}: delete it to make a new one")
+
+
+def write_password(path: Path) -> str:
+    """A new random password in `path`, created with mode 0600 (readable by us only) and
+    renamed into place whole; returns it. Letters, digits, `-` and `_` only: nothing that
+    pgpass or a URL would have to escape."""
+    password = secrets.token_urlsafe(32)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:  # mkstemp's mode is 0600
+            f.write(f"*:*:*:{SUPERUSER}:{password}\n")
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    return password
 
 
 # --- choosing binaries ----------------------------------------------------------------------
@@ -274,10 +366,12 @@ def _quote(value: str) -> str:
 
 
 class LocalPostgres:
-    """One PostgreSQL server in `data_dir`, listening on 127.0.0.1 only, trust auth.
+    """One PostgreSQL server in `data_dir`, listening on 127.0.0.1 only.
 
+    With `password_file`, every connection needs the superuser's password, kept in that file
+    (made if missing: see the module docstring); without, trust auth (throwaway servers).
     Its socket and log live in `<data_dir>.run/` next to the data dir (a short socket path,
-    and nothing of ours gets copied by pg_basebackup).
+    and nothing of ours gets copied by pg_basebackup), a folder only the server's user enters.
     """
 
     def __init__(
@@ -288,8 +382,12 @@ class LocalPostgres:
         settings: dict[str, str] | None = None,
         initdb_options: Sequence[str] = (),
         bindir: Path | None = None,
+        password_file: Path | None = None,
     ) -> None:
         self._data_dir = Path(data_dir).resolve()
+        self._password_file = None if password_file is None else Path(password_file).absolute()
+        # Whether start() found a data dir with trust auth and upgraded it (see the module).
+        self.upgraded = False
         self._port = port
         # Written into cronlock.conf at every start, over BASE_SETTINGS.
         self._settings = dict(settings or {})
@@ -335,8 +433,17 @@ class LocalPostgres:
     def settings(self) -> dict[str, str]:
         return dict(self._settings)
 
+    @property
+    def password_file(self) -> Path | None:
+        return self._password_file
+
     def dsn(self, dbname: str = "postgres") -> str:
-        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
+        """The superuser's URL; with a password file, it names the file (`passfile`, which
+        asyncpg and libpq read), never the password."""
+        url = f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
+        if self._password_file is not None:
+            url += "?passfile=" + quote(str(self._password_file), safe="/")
+        return url
 
     def read_log(self) -> str:
         try:
@@ -427,15 +534,31 @@ class LocalPostgres:
         `spawned` tells which of the two it did."""
         self.check()
         prepare_dir(self._data_dir.parent, mode=0o755, own=False)
-        prepare_dir(self._run_dir)
+        # Only the server's user may enter it: it holds the socket.
+        prepare_dir(self._run_dir).chmod(0o700)
         if not self.is_initialised():
             self._initdb()
         if self.is_running():
             self._port = self._running_port()
             self.wait_ready()
+            if self._password_file is not None:
+                if not self._has_our_hba(self._data_dir):
+                    self._upgrade_running()
+                elif not self._password_file.exists():
+                    raise SetupError(
+                        f"the server running in {self._data_dir} asks for the password that "
+                        f"was in {self._password_file}, which is gone: stop that server to "
+                        "have a new password made at the next start"
+                    )
             return self.dsn()
         self._port = self._choose_port()
         self._write_conf()
+        if self._password_file is not None:
+            trusting = not self._has_our_hba(self._data_dir)
+            # A deleted password file: a new password, set as the upgrade sets one.
+            if trusting or not self._password_file.exists():
+                self._set_password(self._data_dir)
+            self.upgraded = trusting
         self._spawn()
         _started.add(self)
         self.wait_ready()
@@ -561,11 +684,92 @@ class LocalPostgres:
             raise
 
     def _run_initdb(self, target: Path) -> None:
+        # With a password file, the trust lines initdb writes are replaced by _set_password
+        # before the data dir is in place and before any server runs on it.
         args = [self.tool("initdb"), "-D", target.name, "-A", "trust", "-U", SUPERUSER]
         args += ["--encoding=UTF8", "--locale=C", *self._initdb_options]
         run_tool(args, timeout=120.0, cwd=target.parent)
         with (target / "postgresql.conf").open("a") as f:
             f.write(f"\n# cronlock: settings written at every start\n{INCLUDE_LINE}\n")
+        if self._password_file is not None:
+            self._set_password(target)
+
+    # --- authentication (with a password file) --------------------------------------------
+
+    @staticmethod
+    def _has_our_hba(data_dir: Path) -> bool:
+        try:
+            with (data_dir / "pg_hba.conf").open() as f:
+                return f.readline().rstrip("\n") == HBA_MARKER
+        except OSError:
+            return False
+
+    def _password(self) -> str:
+        """The password from the password file, made (0600) if there is none. Also narrows
+        a file someone widened: libpq and asyncpg ignore a password file others may read."""
+        assert self._password_file is not None
+        path = self._password_file
+        password = read_password(path)
+        if password is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return write_password(path)
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            path.chmod(0o600)
+        return password
+
+    def _set_password(self, data_dir: Path) -> None:
+        """Give the superuser the password file's password and write our pg_hba.conf, on a
+        stopped server: in single-user mode, which listens on nothing. The pg_hba.conf goes
+        last, so an interrupted upgrade is done again, whole, at the next start."""
+        statement = f"ALTER ROLE {SUPERUSER} PASSWORD '{scram_verifier(self._password())}'\n"
+        args = [self.tool("postgres"), "--single", "-D", data_dir.name]
+        args += ["-c", "exit_on_error=on", "postgres"]  # an ERROR exits non-zero
+        run_tool(args, timeout=120.0, cwd=data_dir.parent, stdin=statement)
+        if not self._has_our_hba(data_dir):  # else it is ours, with what was added below
+            self._write_hba(data_dir)
+
+    def _write_hba(self, data_dir: Path) -> None:
+        fresh = data_dir / ".pg_hba.conf.cronlock"
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(HBA)
+        chown_to_service(fresh)
+        os.replace(fresh, data_dir / "pg_hba.conf")
+
+    def _upgrade_running(self) -> None:
+        """A server already running with trust auth (left by a `serve` of an older release
+        that was killed): set the password through a trusted connection, write our
+        pg_hba.conf, reload, and wait until a connection without the password is refused."""
+        verifier = scram_verifier(self._password())
+        trusted = f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/postgres"
+
+        async def upgrade() -> None:
+            conn = await asyncpg.connect(trusted, password="")
+            try:
+                await conn.execute(f"ALTER ROLE {SUPERUSER} PASSWORD '{verifier}'")
+                self._write_hba(self._data_dir)
+                await conn.execute("SELECT pg_reload_conf()")
+            finally:
+                await conn.close()
+            deadline = time.monotonic() + READY_TIMEOUT
+            while time.monotonic() < deadline:
+                try:
+                    conn = await asyncpg.connect(trusted, password="")
+                except asyncpg.InvalidAuthorizationSpecificationError:
+                    return
+                await conn.close()
+                await asyncio.sleep(0.05)
+            raise PostgresError("PostgreSQL still trusts connections after its reload")
+
+        # In a thread of its own: start() may be called from a running event loop.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            try:
+                pool.submit(asyncio.run, upgrade()).result()
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                raise PostgresError(
+                    f"could not set the password of the running server: {exc}"
+                ) from exc
+        self.upgraded = True
 
     def _running_port(self) -> int:
         # postmaster.pid line 4 is the port the running server listens on.

@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
-    from cronlock.cli.embedded import DataDirBusy, LocalPostgres, PostgresError, SetupError
+    from cronlock.cli.embedded import DataDirBusy, PostgresError, SetupError
 
     # Before anything starts: a SIGTERM while the embedded server starts (initdb, migrations)
     # must reach the `finally` below too, not kill us and leave the postmaster running in its
@@ -244,7 +244,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     embedded = None
     try:
         if not settings.database_url:
-            embedded = LocalPostgres(settings.embedded_pg_dir.resolve())
+            embedded = embedded_server(settings)
             try:
                 os.environ["DATABASE_URL"] = start_embedded(embedded, settings, args.demo_users)
             except SetupError as exc:
@@ -316,6 +316,15 @@ def _write_private(path: Path, text: str) -> None:
     path.chmod(0o600)
 
 
+def embedded_server(settings: Settings) -> LocalPostgres:
+    """The server of EMBEDDED_PG_DIR, whose superuser's password is in the file beside it,
+    `<EMBEDDED_PG_DIR>.pgpass` (`var/pg.pgpass`, mode 0600), made with the server."""
+    from cronlock.cli.embedded import LocalPostgres
+
+    data = settings.embedded_pg_dir.resolve()
+    return LocalPostgres(data, password_file=data.parent / f"{data.name}.pgpass")
+
+
 def start_embedded(server: LocalPostgres, settings: Settings, demo_users: int) -> str:
     """Lock and start (or reuse) the local PostgreSQL in EMBEDDED_PG_DIR; returns the app's URL.
 
@@ -329,9 +338,16 @@ def start_embedded(server: LocalPostgres, settings: Settings, demo_users: int) -
         admin = server.start()
     except OSError as exc:  # a folder we may not create or write, say
         raise SetupError(f"{settings.embedded_pg_dir}: {exc}") from exc
+    if server.upgraded:
+        print(
+            f"cronlock: upgraded the embedded PostgreSQL in {settings.embedded_pg_dir} in "
+            "place (data kept): it let every local user in as superuser; now every connection "
+            f"needs the password in {server.password_file}"
+        )
+    # The URL names the password file (`passfile`), never the password.
     print(
         f"cronlock: DATABASE_URL is not set; using the embedded PostgreSQL in "
-        f"{settings.embedded_pg_dir} ({admin})"
+        f"{settings.embedded_pg_dir} ({server.dsn('cronlock')})"
     )
     with _translated():  # a server going away meanwhile is the database's trouble (exit 3)
         url: str = asyncio.run(_prepare_embedded(server, admin, demo_users, settings))
