@@ -28,7 +28,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Unpack
+from typing import TYPE_CHECKING, Any, ClassVar, Unpack
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
@@ -43,10 +43,14 @@ from cronlock.delivery import alerts, sender
 from cronlock.errors import JobDefinitionError, install_excepthook
 from cronlock.settings import Settings, SettingsError
 from cronlock.web import router as cron_router
+from cronlock.web import ui
 from cronlock.web.answers import Refused
 from cronlock.web.auth import Access
 from cronlock.web.deps import error
 from cronlock.web.metrics import MetricsApp, refresh
+
+if TYPE_CHECKING:
+    from cronlock.web.ui.dashboard import Dashboard
 
 log = logging.getLogger("cronlock")
 
@@ -124,6 +128,7 @@ class Cronlock:
         self._registry: Registry | None = None
         self._router: APIRouter | None = None
         self._metrics: MetricsApp | None = None
+        self._dashboard: Dashboard | None = None
         self._counters: Metrics | None = None
         self._started: _Started | None = None
 
@@ -172,6 +177,14 @@ class Cronlock:
         if self._router is None:
             self._router = cron_router.build(self, self.jobs, self.prefix)
         return self._router
+
+    @property
+    def dashboard(self) -> Dashboard:
+        """The dashboard, an ASGI app to mount: `app.mount("/cron/ui", cron.dashboard)`. Its
+        links and cookies follow the path it is mounted at (cronlock/web/ui/dashboard.py)."""
+        if self._dashboard is None:
+            self._dashboard = ui.build(self)
+        return self._dashboard
 
     @property
     def metrics(self) -> MetricsApp:

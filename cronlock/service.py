@@ -18,13 +18,15 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cronlock import __version__, logs
 from cronlock.core.metrics import CONTENT_TYPE
 from cronlock.errors import ConfigurationError
 from cronlock.instance import Cronlock
 from cronlock.settings import Settings
-from cronlock.web import api, ui
+from cronlock.web import api
 from cronlock.web.auth import Access, BearerAuth
 
 
@@ -70,9 +72,13 @@ def build(cron: Cronlock) -> FastAPI:
         lifespan=lifespan,
     )
     if settings.ui_enabled:
-        # Before the Bearer check: the session check then sits inside it, and the dashboard's
-        # paths are the session check's to decide.
-        ui.install(app, cron.jobs, settings)
+        # Its session check decides there (the Bearer check lets /ui through: Access.SESSION).
+        app.mount("/ui", cron.dashboard, name="ui")
+        # `/ui` itself, which a mount leaves to the app's router (a 307 to `/ui/`): the
+        # dashboard's too, as it always was (the login page, or the jobs).
+        app.router.routes.append(
+            Route("/ui", AtMountPoint(cron.dashboard, "/ui"), include_in_schema=False)
+        )
     app.include_router(api.health_router)
     app.include_router(cron.router)
     app.add_api_route(
@@ -94,6 +100,19 @@ def build(cron: Cronlock) -> FastAPI:
         sessions=settings.ui_enabled,
     )
     return app
+
+
+class AtMountPoint:
+    """A mounted app, asked for its mount point itself (`/ui`, no slash): it sees the request
+    as a mount would pass it, at the empty path below its `root_path`."""
+
+    def __init__(self, app: ASGIApp, path: str) -> None:
+        self.app = app
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        root = scope.get("root_path", "") + self.path
+        await self.app({**scope, "root_path": root}, receive, send)
 
 
 def metrics_endpoint(cron: Cronlock) -> Callable[[], Coroutine[Any, Any, Response]]:

@@ -75,7 +75,7 @@ def test_matches_any_candidate_and_nothing_else() -> None:
         ("GET", "/api/cron/jobs", Access.RUN),
         ("POST", "/healthz/", Access.RUN),
         ("POST", "/metrics", Access.METRICS),
-        # The dashboard's own session check decides there (cronlock/web/ui/session.py).
+        # The dashboard's own session check decides there (cronlock/web/ui/dashboard.py).
         ("GET", "/ui/", Access.SESSION),
         ("POST", "/ui/jobs/fast/run", Access.SESSION),
         ("GET", "/ui", Access.SESSION),

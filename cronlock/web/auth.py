@@ -22,8 +22,8 @@ class Access(Enum):
     READ = "read"  # jobs, runs, locks, the OpenAPI document: the secret or the read token
     METRICS = "metrics"  # /metrics: its own token, or any of the above
     OPEN = "open"  # health checks
-    # The dashboard (/ui/): its own session check decides (cronlock/web/ui/session.py), not a Bearer
-    # token; without the dashboard (UI_ENABLED=false) these paths need the secret like others.
+    # The dashboard (/ui/): its own session check decides (cronlock/web/ui/dashboard.py), not a
+    # Bearer token; without the dashboard (UI_ENABLED=false) these paths need the secret.
     SESSION = "session"
 
 

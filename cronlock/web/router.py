@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from starlette.routing import Match
+from starlette.types import Scope
 
 from cronlock.core.jobs import Registry
 from cronlock.web import api, control, routes
@@ -40,6 +42,24 @@ from cronlock.web.auth import Access
 
 if TYPE_CHECKING:
     from cronlock.web.deps import Serving
+
+# Where under the prefix the dashboard goes (`<prefix>/ui`): the catch-all leaves it alone.
+DASHBOARD = "ui"
+
+
+class CatchAllRoute(TriggerRoute):
+    """The catch-all under the prefix, which leaves `<prefix>/ui` and below to the dashboard
+    (`app.mount("/cron/ui", cron.dashboard)`): else, mounted after the router is included, it
+    would be unreachable, every path of it answered 401 or 404 here. (A job named `ui` keeps
+    its trigger: that route is matched before this one.)"""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is not Match.NONE:
+            name: str = child["path_params"]["name"]
+            if name == DASHBOARD or name.startswith(DASHBOARD + "/"):
+                return Match.NONE, {}
+        return match, child
 
 
 def guarded(serving: Serving, handler: Endpoint) -> Endpoint:
@@ -108,7 +128,7 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
         not_a_job,
         methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
         include_in_schema=False,
-        route_class_override=TriggerRoute,
+        route_class_override=CatchAllRoute,
     )
     return router
 

@@ -1,21 +1,20 @@
-"""The dashboard under /ui/ (docs/dashboard.md): server-rendered pages over cronlock/ops/views.py's
-views, a session check before routing, static files under /ui/static/."""
+"""The dashboard (docs/dashboard.md): server-rendered pages over cronlock/ops/views.py's views,
+as one ASGI app to mount (`cron.dashboard`; the standalone service mounts it at /ui), its
+session check before routing, its static files under `<mount>/static/`."""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
-from starlette.staticfiles import StaticFiles
+from typing import TYPE_CHECKING
 
-from cronlock.core.jobs import Registry
-from cronlock.settings import Settings
+if TYPE_CHECKING:
+    from cronlock.web.deps import Serving
+    from cronlock.web.ui.dashboard import Dashboard
 
 
-def install(app: FastAPI, registry: Registry, settings: Settings) -> None:
-    """Mount the pages and static files, and the session check in front of them (added
-    before BearerAuth, so it runs inside it)."""
-    from cronlock.web.ui.pages import router
-    from cronlock.web.ui.session import SessionCheck
+def build(serving: Serving) -> Dashboard:
+    """The dashboard of one `Cronlock` (cronlock/web/ui/dashboard.py)."""
+    # Imported here: the pages load Jinja2 and their templates, which a host app that does not
+    # mount the dashboard never needs.
+    from cronlock.web.ui.dashboard import Dashboard
 
-    app.mount("/ui/static", StaticFiles(packages=[("cronlock.web.ui", "static")]), name="ui-static")
-    app.include_router(router)
-    app.add_middleware(SessionCheck, settings=settings)
+    return Dashboard(serving)

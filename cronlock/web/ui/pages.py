@@ -1,10 +1,12 @@
-"""The dashboard's pages and forms under /ui/: routes only, over the views of cronlock/ops/views.py
-and the outbox's operations (cronlock/delivery/outbox.py); what a page shows is computed there or in
+"""The dashboard's pages and forms: routes only, over the views of cronlock/ops/views.py and the
+outbox's operations (cronlock/delivery/outbox.py); what a page shows is computed there or in
 cronlock/web/ui/timeline.py, and rendered by the Jinja2 templates beside this module (autoescaped).
 
 Every form that changes something carries the session's CSRF token and needs a session made
 with the cron secret; each action is recorded in `ui_actions` and logged with the kind of
-token (cronlock/web/ui/session.py). The session itself is checked before routing (SessionCheck).
+token (cronlock/web/ui/session.py). The session itself is checked before routing, and every
+link, form and redirect is made from the request's `root_path`, the path the dashboard is
+mounted at (cronlock/web/ui/dashboard.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from cronlock.inputs import BIGINT_MAX, text_problem, timestamp_problem
 from cronlock.ops import views as ops
 from cronlock.settings import Settings
 from cronlock.web.api import RequestTooLarge, read_body
+from cronlock.web.deps import RETRY_AFTER_SECONDS
 from cronlock.web.ui import session, timeline, words
 from cronlock.web.ui.session import Session
 
@@ -64,7 +67,7 @@ NOTICES = {
 }
 WINDOW_DAYS = (1, 2, 7, 14)
 
-router = APIRouter(prefix="/ui", include_in_schema=False)
+router = APIRouter(include_in_schema=False)
 
 
 class Refused(Exception):
@@ -81,7 +84,11 @@ def _state(request: Request) -> tuple[Database, Registry, Settings]:
 
 
 def _root(request: Request) -> str:
-    root: str = request.scope.get("root_path", "")
+    """Where the dashboard is mounted (`/ui` in the standalone service; with the server's own
+    root path, `uvicorn --root-path`, in front): every URL it renders starts there. Kept by
+    the dashboard as it is called (cronlock/web/ui/dashboard.py): its static files' mount
+    sets a `root_path` of its own."""
+    root: str = request.state.ui_root
     return root
 
 
@@ -102,8 +109,11 @@ def page(request: Request, name: str, status: int = 200, **context: Any) -> HTML
     return HTMLResponse(html, status_code=status)
 
 
-def problem(request: Request, status: int, message: str) -> HTMLResponse:
-    return page(request, "problem.html", status=status, status_code=status, message=message)
+def problem(request: Request, status: int, message: str, retry: bool = False) -> HTMLResponse:
+    response = page(request, "problem.html", status=status, status_code=status, message=message)
+    if retry:
+        response.headers["retry-after"] = RETRY_AFTER_SECONDS
+    return response
 
 
 async def _guarded(request: Request, render: Any) -> Response:
@@ -145,7 +155,7 @@ async def acting(request: Request) -> tuple[Session, dict[str, str]]:
 
 def back(request: Request, path: str, notice: str | None = None) -> RedirectResponse:
     query = f"?{urlencode({'notice': notice})}" if notice else ""
-    return RedirectResponse(f"{_root(request)}/ui{path}{query}", status_code=303)
+    return RedirectResponse(f"{_root(request)}{path}{query}", status_code=303)
 
 
 def _positive(text: str | None, what: str) -> int | None:
@@ -221,11 +231,6 @@ async def logout(request: Request) -> Response:
 
 
 # --- jobs -----------------------------------------------------------------------------------
-
-
-@router.get("")
-async def ui_root(request: Request) -> Response:
-    return back(request, "/")
 
 
 @router.get("/")

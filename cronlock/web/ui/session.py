@@ -1,15 +1,17 @@
-"""The dashboard's sessions: rows in `<DB_SCHEMA>.ui_sessions`, checked before routing.
+"""The dashboard's sessions: rows in `<DB_SCHEMA>.ui_sessions`, checked before routing
+(cronlock/web/ui/dashboard.py).
 
 A session is made by logging in with the read token (kind `read`: see) or the cron secret
 (kind `secret`: also act). The cookie carries a random value; the row holds only its hash, the
-kind, a fingerprint of the token used and the session's CSRF token. Every request under /ui/
-(but the login page and static files) looks its row up, so a logout ends the session on every
-instance at once; a session whose token fingerprint is no longer among the configured tokens'
-(the token was rotated away) is refused and deleted.
+kind, a fingerprint of the token used and the session's CSRF token. Every request to the
+dashboard (but the login page and static files) looks its row up, so a logout ends the session
+on every instance at once; a session whose token fingerprint is no longer among the configured
+tokens' (the token was rotated away) is refused and deleted.
 
-The cookie is scoped to `Path=/ui`, HttpOnly, SameSite=Strict, and Secure unless
-UI_COOKIE_SECURE=false; the Bearer check (cronlock/web/auth.py) never reads it, so it is worth
-nothing on /cron/* or /metrics.
+The cookie is scoped to the path the dashboard is mounted at (`Path=/ui` in the standalone
+service), HttpOnly, SameSite=Strict, and Secure unless UI_COOKIE_SECURE=false; the Bearer
+checks (cronlock/web/auth.py, cronlock/web/router.py) never read it, so it is worth nothing on
+/cron/* or /metrics.
 """
 
 from __future__ import annotations
@@ -23,14 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from starlette.requests import cookie_parser
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
-from cronlock.db.pool import Conn, Database
-from cronlock.errors import DatabaseUnavailable
-from cronlock.ops.views import reading
+from cronlock.db.pool import Conn
 from cronlock.settings import Settings
 from cronlock.sql import qualify
-from cronlock.web.auth import matches, route_path
+from cronlock.web.auth import matches
 
 log = logging.getLogger("cronlock.ui")
 
@@ -41,7 +41,7 @@ LOGIN_COOKIE = "cronlock_login"
 
 Kind = Literal["read", "secret"]
 
-# Every answer under /ui/: no script or style but our own files, never in a frame, nothing
+# Every answer of the dashboard: no script or style but our own files, never in a frame, nothing
 # stored by a cache (pages carry data). SVG is drawn inline, styled by classes.
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -187,10 +187,11 @@ def csrf_ok(session: Session, presented: str | None) -> bool:
 
 
 def cookie_header(settings: Settings, root_path: str, name: str, value: str, max_age: int) -> str:
-    """A Set-Cookie value: only under /ui, never readable by scripts, never sent cross-site."""
+    """A Set-Cookie value: only under the dashboard's mount (`root_path`, the path it is
+    mounted at), never readable by scripts, never sent cross-site."""
     parts = [
         f"{name}={value}",
-        f"Path={root_path}/ui",
+        f"Path={root_path or '/'}",
         f"Max-Age={max_age}",
         "HttpOnly",
         "SameSite=Strict",
@@ -200,14 +201,6 @@ def cookie_header(settings: Settings, root_path: str, name: str, value: str, max
     return "; ".join(parts)
 
 
-def is_ui_path(path: str) -> bool:
-    return path == "/ui" or path.startswith("/ui/")
-
-
-def is_open_path(path: str) -> bool:
-    return path == "/ui/login" or path.startswith("/ui/static/")
-
-
 def request_cookie(scope: Scope, name: str) -> str | None:
     for key, value in scope["headers"]:
         if key == b"cookie":
@@ -215,84 +208,3 @@ def request_cookie(scope: Scope, name: str) -> str | None:
             if found:
                 return found
     return None
-
-
-class SessionCheck:
-    """Before routing, as `BearerAuth` is: every /ui/ path but the login page and static files
-    needs a live session (else a redirect to the login page, or 401 for anything but a page
-    read). Adds the security headers to every /ui/ answer. Sits inside BearerAuth, which lets
-    /ui/ through to it (cronlock/web/auth.py, Access.SESSION), and inside TriggerDispatch, so
-    triggers never pass through it (cronlock/service.py)."""
-
-    def __init__(self, app: ASGIApp, *, settings: Settings) -> None:
-        self.app = app
-        self.settings = settings
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = route_path(scope)
-        if not is_ui_path(path):
-            await self.app(scope, receive, send)
-            return
-        static = path.startswith("/ui/static/")
-
-        async def with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                headers.extend(SECURITY_HEADERS)
-                if not static:
-                    headers.append(NO_STORE)
-                message["headers"] = headers
-            await send(message)
-
-        if not is_open_path(path):
-            try:
-                session = await self._session(scope)
-            except DatabaseUnavailable as exc:
-                await _plain(with_headers, 503, f"database unavailable: {exc.reason}")
-                return
-            if session is None:
-                if scope["method"] in ("GET", "HEAD"):
-                    root = scope.get("root_path", "")
-                    await _redirect(with_headers, f"{root}/ui/login")
-                else:
-                    await _plain(with_headers, 401, "log in first: no session")
-                return
-            scope.setdefault("state", {})["ui_session"] = session
-        await self.app(scope, receive, with_headers)
-
-    async def _session(self, scope: Scope) -> Session | None:
-        value = request_cookie(scope, COOKIE)
-        if value is None or len(value) > 200:
-            return None
-        db: Database = scope["state"]["db"]
-        async with db.connection() as conn, reading(conn):
-            return await lookup(conn, self.settings, value)
-
-
-async def _plain(send: Send, status: int, text: str) -> None:
-    body = text.encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"text/plain; charset=utf-8"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _redirect(send: Send, location: str) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 303,
-            "headers": [(b"location", location.encode()), (b"content-length", b"0")],
-        }
-    )
-    await send({"type": "http.response.body", "body": b""})
