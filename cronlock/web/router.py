@@ -90,7 +90,11 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
 
         return check
 
-    router = APIRouter(prefix=prefix, route_class=CronRoute, dependencies=[Depends(bind)])
+    # Tagged: a host whose generate_unique_id_function reads route.tags[0] (the full-stack
+    # FastAPI template's does) fails on untagged routes at its first request.
+    router = APIRouter(
+        prefix=prefix, route_class=CronRoute, dependencies=[Depends(bind)], tags=["cron"]
+    )
     readers = [Depends(require(Access.READ))]
     writers = [Depends(require(Access.RUN))]
     router.include_router(routes.router, dependencies=readers)
