@@ -384,7 +384,6 @@ async def test_kill_9_of_the_instance_running_a_job_leaves_nothing_half_done(
     await _cron_ready(victim.url)
 
 
-@pytest.mark.xfail(reason="TEMPORARY: the raw-SQL jobs until ctx.session lands", strict=True)
 def test_the_example_adds_cronlock_in_at_most_15_lines() -> None:
     """The count the README gives: app/cron.py's code (its docstring, comments and blank lines
     aside) and the other lines of the app that name `cron`."""

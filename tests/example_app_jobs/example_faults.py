@@ -4,21 +4,16 @@ from the venv cronlock was installed into; never by this repository's service.""
 
 from __future__ import annotations
 
-from cronlock import JobContext, job
+import importlib
 
-# TEMPORARY: raw SQL on ctx.conn until ctx.session lands (then: the example's app.crud).
+from cronlock import JobContext, job
 
 
 @job("report-then-fail", schedule="30 5 * * *")
 async def report_then_fail(ctx: JobContext) -> None:
+    # The example's `app`, which only its instances can import (this repository has its own).
+    crud = importlib.import_module("app.crud")
     day = ctx.slot or ctx.now
-    await ctx.conn.execute(
-        "INSERT INTO daily_report (day, users, items, run_id) VALUES ($1, 0, 0, $2)",
-        day,
-        ctx.run_id,
-    )
-    await ctx.conn.execute(
-        'INSERT INTO digest (user_id, day, run_id) SELECT id, $1, $2 FROM "user"', day, ctx.run_id
-    )
-    await ctx.conn.execute('UPDATE "user" SET last_digest_at = $1', day)
+    await crud.write_daily_report(ctx.session, day=day, run_id=ctx.run_id)
+    await crud.send_digests(ctx.session, day=day, run_id=ctx.run_id)
     raise RuntimeError("the report's mail server refused it, after the ORM writes")
