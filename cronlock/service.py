@@ -19,11 +19,12 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from cronlock import __version__, logs
+from cronlock import logs
 from cronlock.core.metrics import CONTENT_TYPE
 from cronlock.errors import ConfigurationError
 from cronlock.instance import Cronlock
 from cronlock.settings import Settings
+from cronlock.version import __version__
 from cronlock.web import api, ui
 from cronlock.web.auth import Access, BearerAuth
 
