@@ -6,6 +6,10 @@ The binaries come from, in order: `CRONLOCK_PG_BINDIR`, `pg_config --bindir`, th
 Whatever the source, the same code path (initdb, postgres, pg_isready) runs them. PostgreSQL
 refuses to run as root, so when we are root every server command runs as the `postgres` system
 user, in folders that user owns.
+
+Long on purpose: one server's life (find the binaries, initdb in place or by rename, start, lock
+the folder, stop only our own child) in one class, `LocalPostgres`, whose cleanup on each
+failure depends on the steps before it; apart, those rules would be spread over modules.
 """
 
 from __future__ import annotations

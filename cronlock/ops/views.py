@@ -16,6 +16,9 @@ is named by the `running` row its backend recorded (backend pid and key), once t
 that row's job and key is seen to be the lock's.
 
 Overdue: see cronlock/core/due.py.
+
+Long on purpose: every view an operator reads (jobs, runs, locks, the outbox) with its answer
+models, shared by the routes and the CLI; one module keeps the two showing the same thing.
 """
 
 from __future__ import annotations
