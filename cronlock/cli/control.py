@@ -53,15 +53,17 @@ def add_cancel(sub: Any) -> None:
 
 
 def add_pause(sub: Any) -> None:
-    pause = sub.add_parser("pause", help="pause a job on every instance (force=true still runs it)")
-    pause.add_argument("job", type=job_name)
-    pause.add_argument(
+    pausing = sub.add_parser(
+        "pause", help="pause a job on every instance (force=true still runs it)"
+    )
+    pausing.add_argument("job", type=job_name)
+    pausing.add_argument(
         "--until", type=inputs.timestamp, help="resume on its own then (ISO time with offset)"
     )
-    pause.add_argument("--note", type=inputs.text(500), help="why (shown in `jobs`)")
-    pause.add_argument("--by", type=OPERATOR, help="who (default: user@host)")
-    pause.add_argument("--json", action="store_true", help="print JSON (as the HTTP route)")
-    pause.set_defaults(handler=cmd_pause)
+    pausing.add_argument("--note", type=inputs.text(500), help="why (shown in `jobs`)")
+    pausing.add_argument("--by", type=OPERATOR, help="who (default: user@host)")
+    pausing.add_argument("--json", action="store_true", help="print JSON (as the HTTP route)")
+    pausing.set_defaults(handler=cmd_pause)
 
     resume = sub.add_parser("resume", help="resume a paused job")
     resume.add_argument("job", type=job_name)
