@@ -12,9 +12,8 @@ In an app of your own (docs/fastapi.md):
     app.include_router(cron.router)
 """
 
-__version__ = "0.2.0"
-
 from cronlock.core.jobs import JobContext, job
+from cronlock.db.helper import JobLock, job_lock
 from cronlock.errors import (
     ConfigurationError,
     CronlockError,
@@ -25,6 +24,7 @@ from cronlock.errors import (
 )
 from cronlock.instance import Cronlock, Readiness
 from cronlock.settings import Settings, SettingsError
+from cronlock.version import __version__
 
 __all__ = [
     "ConfigurationError",

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Unpack
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from cronlock import __version__
 from cronlock.core import catchup, retries, scheduler
 from cronlock.core.jobs import Job, JobFunc, JobOptions, Registry, define, load
 from cronlock.core.metrics import Metrics
@@ -46,6 +45,7 @@ from cronlock.db.pool import Database
 from cronlock.delivery import alerts, sender
 from cronlock.errors import JobDefinitionError, install_excepthook
 from cronlock.settings import Settings, SettingsError
+from cronlock.version import __version__
 from cronlock.web import router as cron_router
 from cronlock.web import ui
 from cronlock.web.answers import Refused

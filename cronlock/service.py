@@ -21,11 +21,12 @@ from fastapi.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cronlock import __version__, logs
+from cronlock import logs
 from cronlock.core.metrics import CONTENT_TYPE
 from cronlock.errors import ConfigurationError
 from cronlock.instance import Cronlock
 from cronlock.settings import Settings
+from cronlock.version import __version__
 from cronlock.web import api
 from cronlock.web.auth import Access, BearerAuth
 

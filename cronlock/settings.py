@@ -9,15 +9,14 @@ import os
 import socket
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cronlock.db.primary import split_hosts
-from cronlock.db.schema import check_name
 from cronlock.errors import ConfigurationError
 from cronlock.inputs import has_control, text_problem
+from cronlock.sql import check_name
 
 # The value `.env.example` ships with: a service started with it must refuse, never run.
 PLACEHOLDER_SECRET = "change-me-to-a-random-string-of-32-or-more-characters"  # noqa: S105
@@ -312,6 +311,21 @@ def read_secret_file(path: Path) -> str:
     if not is_token(token):
         raise SettingsError(f"CRON_SECRET_FILE {path}: the secret {TOKEN_RULE}")
     return token
+
+
+def split_hosts(url: str) -> list[tuple[str, int | None]]:
+    """The hosts of a URL's authority, in order (`h1:5432,[::1]:5433,h3`); a single entry when
+    there is one host or none (a unix socket given as `?host=`), which asyncpg handles alone."""
+    netloc = urlsplit(url).netloc.rpartition("@")[2]
+    found: list[tuple[str, int | None]] = []
+    for spec in netloc.split(","):
+        if spec.startswith("["):
+            host, _, rest = spec[1:].partition("]")
+            port = rest.removeprefix(":")
+        else:
+            host, _, port = spec.partition(":")
+        found.append((unquote(host), int(port) if port else None))
+    return found
 
 
 def database_url_problem(url: str) -> str | None:

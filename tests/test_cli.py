@@ -1,10 +1,10 @@
 """The operator's command line against a real database and real instances: the same views as
 the HTTP API (`--json`), tables for people, exit codes, trigger, cancel, outbox, catch-up.
 
-Most commands run in-process (`app.cli.main` in a worker thread, as `python -m cronlock` calls it),
-against an instance in-process too where the CLI reaches it through the database only; the
-ones whose process boundary matters (exit status, the secret's way in, `trigger` over HTTP,
-`serve`) run as processes.
+Most commands run in-process (`cronlock.cli.main` in a worker thread, as `python -m cronlock`
+calls it), against an instance in-process too where the CLI reaches it through the database
+only; the ones whose process boundary matters (exit status, the secret's way in, `trigger`
+over HTTP, `serve`) run as processes.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import asyncpg
 import httpx
 import pytest
 
+from cronlock.cli import common
 from cronlock.cli import main as cli
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
@@ -339,7 +340,7 @@ async def test_bad_values_the_commands_see_later_are_exit_2_too(
     from cronlock.settings import Settings
 
     async def refused() -> None:
-        async with cli._connection(Settings()) as conn:
+        async with common.connection(Settings()) as conn:
             await conn.fetchval("SELECT $1::bigint", 2**63)
 
     with pytest.raises(InvalidInput, match="SQLSTATE 22000"):

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from cronlock.db import pool as dbmod
-from cronlock.db.primary import parse_timeline, split_hosts
+from cronlock.db.primary import parse_timeline
 from cronlock.db.schema import migrate, migration_sets
-from cronlock.settings import Settings
+from cronlock.settings import Settings, split_hosts
 from tests.lease_jobs import LEASE_SETTINGS, create_effects
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp

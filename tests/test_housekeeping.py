@@ -11,10 +11,10 @@ import asyncpg
 import httpx
 
 from cronlock.core import catchup
+from cronlock.core.due import due_slot
 from cronlock.core.jobs import load
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
-from cronlock.ops import views as ops
 from cronlock.settings import Settings
 from tests.support.asgi import StartApp
 from tests.util import effects, post, runs, wait_for
@@ -125,7 +125,7 @@ async def test_an_attempted_slot_is_not_caught_up(
     registry = load(settings.job_modules)
     job = registry["catch-up-daily"]
     now: datetime = await db.fetchval("SELECT now()")
-    due = ops.due_slot(job, now)
+    due = due_slot(job, now)
     await db.execute(
         """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
            VALUES ('catch-up-daily', $1, 'failed', 'scheduled', 'earlier')""",

@@ -104,3 +104,14 @@ def test_an_application_package_named_app_and_cronlock_live_in_one_process(
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_the_public_api_is_what_all_names() -> None:
+    import cronlock
+
+    assert {"job", "JobContext", "LeaseLost", "RunCancelled", "Cronlock", "Settings"} <= set(
+        cronlock.__all__
+    )
+    assert "job_lock" in cronlock.__all__
+    for name in cronlock.__all__:
+        assert getattr(cronlock, name) is not None, name

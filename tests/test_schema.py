@@ -24,14 +24,13 @@ from cronlock.db.schema import (
     Migration,
     MigrationError,
     MigrationSet,
-    check_name,
     cronlock_migrations,
     migrate,
     migration_sets,
     notify_channel,
 )
 from cronlock.settings import Settings
-from cronlock.sql import qualify
+from cronlock.sql import check_name, qualify
 from tests.support import TEST_SECRET
 from tests.support.postgres import unique_name
 from tests.support.provider import Provider

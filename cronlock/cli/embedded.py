@@ -15,6 +15,10 @@ and `postgres` owns the data dir anyway. The server never sees the password itse
 SCRAM verifier, set in single-user mode before the server first listens. A data dir made with
 `trust` (cronlock before issue 27) is upgraded in place at its next start. Without a password
 file (the tests' throwaway servers), every connection from 127.0.0.1 is trusted.
+
+Long on purpose: one server's life (find the binaries, initdb in place or by rename, start, lock
+the folder, stop only our own child) in one class, `LocalPostgres`, whose cleanup on each
+failure depends on the steps before it; apart, those rules would be spread over modules.
 """
 
 from __future__ import annotations

@@ -18,18 +18,20 @@ import logging
 from datetime import datetime, timedelta
 
 from cronlock.core import ledger
+from cronlock.core.due import due_slot, is_overdue
 from cronlock.core.jobs import Job
 from cronlock.core.outcome import Outcome
 from cronlock.core.runner import Runner
 from cronlock.db.lock import internal_lock
 from cronlock.db.pool import Conn
 from cronlock.errors import DRIVER_ERRORS, DatabaseUnavailable, InvalidTrigger, translate
-from cronlock.ops.views import CATCH_UP, due_slot, is_overdue
 from cronlock.settings import Settings
 
 log = logging.getLogger("cronlock.catchup")
 
-# Serialises catch-up decisions across the instances of one deployment (see `catch_up`).
+# Serialises catch-up decisions across the instances of one deployment (see `catch_up`): the
+# lock's name (`locks` shows it as "(catch-up)") and the statement that tries it.
+CATCH_UP = "catch-up"
 CATCH_UP_LOCK_SQL = """
 SELECT set_config('idle_in_transaction_session_timeout', $3, true),
        pg_try_advisory_xact_lock(hashtextextended($1, $2)) AS locked,

@@ -19,6 +19,10 @@ ran out. docs/long-jobs.md says what that means for a job.
 
 This module is the lease's SQL and the holder's side (`Fence`); cronlock/core/lease_runner.py
 starts, takes over and settles lease runs.
+
+Long on purpose: it is the only module that speaks SQL for leases (CONVENTIONS.md); every fenced
+statement (step, heartbeat, final update, takeover) checks the same token and lease, and they
+are read against one another.
 """
 
 from __future__ import annotations

@@ -23,16 +23,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import asyncpg
 from pydantic import ValidationError
 
 from cronlock.core import lease, ledger
-from cronlock.core.jobs import Job, JobContext, Trigger, steps_only
+from cronlock.core.jobs import Job, JobContext, Registry, Trigger, steps_only
 from cronlock.core.outcome import Kind, Outcome
 from cronlock.db.lock import lock_text, try_lock
-from cronlock.db.pool import deadline
+from cronlock.db.orm import Sessions
+from cronlock.db.pool import Conn, Database, deadline
 from cronlock.errors import (
     DRIVER_ERRORS,
     STANDBY_REASON,
@@ -43,9 +44,10 @@ from cronlock.errors import (
     describe,
     translate,
 )
+from cronlock.settings import Settings
 
 if TYPE_CHECKING:
-    from cronlock.core.runner import Runner
+    from cronlock.core.metrics import Metrics
 
 log = logging.getLogger("cronlock.lease")
 
@@ -75,10 +77,61 @@ class Holding:
     task: asyncio.Task[Outcome] | None = None
 
 
+class RunnerParts(Protocol):
+    """What the lease half uses of the runner (cronlock/core/runner.py `Runner`, which holds
+    a LeaseRunner of itself): a protocol, so that this module does not import the runner."""
+
+    settings: Settings
+    db: Database
+    registry: Registry
+    metrics: Metrics | None
+    # The (job, key)s this instance runs or decides about now (`Runner.local`).
+    local: dict[tuple[str, str | None], int | None]
+    # How a run's `ctx.session` is made (cronlock/db/orm.py).
+    sessions: Sessions
+
+    async def decide_slot(
+        self,
+        conn: Conn,
+        job: Job,
+        key: str | None,
+        trigger: Trigger,
+        backfill: datetime | None,
+        now: datetime,
+        *,
+        first_attempt: bool = False,
+    ) -> tuple[str | None, datetime | None]: ...
+
+    def finished(
+        self,
+        ctx: JobContext,
+        kind: Kind,
+        source: str,
+        started: float,
+        *,
+        processed: Any = None,
+        duration: float | None = None,
+        reason: str | None = None,
+        commit_unknown: bool = False,
+    ) -> Outcome: ...
+
+    def skip(
+        self,
+        job: Job,
+        reason: str,
+        slot: datetime | None,
+        trigger: Trigger,
+        source: str,
+        key: str | None = None,
+    ) -> Outcome: ...
+
+    def log_outcome(self, outcome: Outcome, source: str) -> None: ...
+
+
 class LeaseRunner:
     """The lease half of the runner; `Runner.trigger` hands lease jobs here."""
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: RunnerParts) -> None:
         self.runner = runner
         self.settings = runner.settings
         self.db = runner.db

@@ -5,6 +5,9 @@ The advisory lock is transaction-level, so it lives exactly as long as the trans
 also carries the job's writes and its succeeded ledger row: commit publishes all three, and
 anything else (an exception, a timeout, a killed instance, a dropped connection) rolls all of
 them back and frees the lock with them.
+
+Long on purpose: one trigger, start to end; the order of lock, slot check, run and ledger within
+one transaction is the guarantee, read top down.
 """
 
 from __future__ import annotations

@@ -18,14 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 import asyncpg
 
-from cronlock.sql import qualify
-
-if TYPE_CHECKING:
-    from cronlock.db.pool import Conn
+from cronlock.sql import Conn, qualify
 
 _MASK = 0xFFFFFFFF
 

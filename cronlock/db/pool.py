@@ -27,14 +27,12 @@ from cronlock.errors import (
     translate,
 )
 from cronlock.settings import Settings
+from cronlock.sql import Conn as Conn  # where most modules take it from, with the pool
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 log = logging.getLogger("cronlock.db")
-
-# A connection as queries see it: a plain one (CLI, LISTEN) or one borrowed from the pool.
-Conn = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
 
 def terminate(conn: Conn) -> None:

@@ -22,11 +22,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any, cast
-from urllib.parse import unquote, urlsplit
 
 import asyncpg
 
 from cronlock.errors import CONNECTION_ERRORS, DatabaseUnavailable
+from cronlock.settings import split_hosts
 
 log = logging.getLogger("cronlock.primary")
 
@@ -73,21 +73,6 @@ async def read_timeline(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionPr
     """The server's current timeline; None on a standby, and only there (a primary always has
     a current WAL file)."""
     return parse_timeline(await conn.fetchval(TIMELINE_SQL))
-
-
-def split_hosts(url: str) -> list[tuple[str, int | None]]:
-    """The hosts of a URL's authority, in order (`h1:5432,[::1]:5433,h3`); a single entry when
-    there is one host or none (a unix socket given as `?host=`), which asyncpg handles alone."""
-    netloc = urlsplit(url).netloc.rpartition("@")[2]
-    found: list[tuple[str, int | None]] = []
-    for spec in netloc.split(","):
-        if spec.startswith("["):
-            host, _, rest = spec[1:].partition("]")
-            port = rest.removeprefix(":")
-        else:
-            host, _, port = spec.partition(":")
-        found.append((unquote(host), int(port) if port else None))
-    return found
 
 
 class Hosts:

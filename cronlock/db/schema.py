@@ -1,8 +1,8 @@
-"""cronlock's schema in somebody else's database: its name, and the
-numbered migrations that build it (cronlock's own, and those job modules bring).
+"""cronlock's schema in somebody else's database: the numbered migrations that build it
+(cronlock's own, and those job modules bring).
 
 Every object cronlock creates lives in one schema, `DB_SCHEMA` (default `cronlock`), and every
-statement names it (cronlock/sql.py).
+statement names it (cronlock/sql.py, which also says what a schema's name may be).
 
 Migrations are plain `.sql` files named `NNNN_name.sql`, each applied in its own transaction
 that first takes the migration lock (a transaction-level advisory lock, taken again in every
@@ -20,16 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import asyncpg
 
 from cronlock.db.lock import internal_lock
 from cronlock.errors import CONNECTION_ERRORS, CronlockError
-from cronlock.sql import qualify, quote
-
-if TYPE_CHECKING:
-    from cronlock.db.pool import Conn
+from cronlock.sql import Conn, qualify, quote
 
 log = logging.getLogger("cronlock.schema")
 
@@ -40,9 +37,6 @@ CRONLOCK = "cronlock"
 # in this attribute, e.g. `CRONLOCK_MIGRATIONS = "migrations"`.
 MODULE_ATTRIBUTE = "CRONLOCK_MIGRATIONS"
 
-# Unquoted-identifier characters only, so the name reads the same in SQL, in a lock key and in
-# a NOTIFY channel; at most 56 bytes so that `<schema>.outbox` fits PostgreSQL's 63-byte names.
-SCHEMA_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,55}$")
 FILE_PATTERN = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
@@ -53,19 +47,6 @@ class MigrationError(CronlockError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def check_name(name: str) -> str:
-    """`name` if it can be cronlock's schema, else a ValueError saying why."""
-    if not SCHEMA_PATTERN.match(name):
-        raise ValueError(
-            "must start with a letter or '_' and hold only letters, digits and '_' "
-            "(at most 56 characters)"
-        )
-    lowered = name.lower()
-    if lowered.startswith("pg_") or lowered in ("public", "information_schema"):
-        raise ValueError(f"{name!r} is not a schema of cronlock's own; pick another name")
-    return name
 
 
 def notify_channel(schema: str) -> str:

@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from cronlock.core import ledger, pause
+from cronlock.core.due import due_slot, is_overdue
 from cronlock.core.jobs import Job, Registry
 from cronlock.db.pool import Conn
 from cronlock.errors import DATABASE_ERRORS, describe
-from cronlock.ops.views import due_slot, is_overdue
 from cronlock.settings import Settings, SettingsError
 from cronlock.sql import qualify
 

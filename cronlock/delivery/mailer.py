@@ -10,6 +10,10 @@ Guarantees differ by backend:
 - `smtp` has no de-duplication: an answer lost after the relay took the message means a
   second copy (with the same Message-ID, which some clients collapse). At-least-once;
 - `log` writes one structured line per email and counts it as sent.
+
+Long on purpose: the one place that decides what a provider's answer means (sent, worth a
+retry, failed for good) for every backend; the outbox's retries and dead letters follow from
+these rules, so the backends are read side by side, as the guarantees above compare them.
 """
 
 from __future__ import annotations

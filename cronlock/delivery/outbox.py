@@ -23,6 +23,10 @@ With EMAIL_BATCH_SIZE above 1 the unit of delivery is a **batch** (`<DB_SCHEMA>.
 `form_batches` groups due rows into batches and freezes each one's members, request bytes and
 idempotency key in the same transaction that claims them; `claim_batches` takes batches that
 are due again; `mark_batch` writes the batch's outcome and one outcome per member at once.
+
+Long on purpose: it is the only module that speaks SQL for the outbox (CONVENTIONS.md), and its
+statements fence each other: claim, mark, batches, dead letters, requeue and retention all match
+on the same claim token and lease, and are read against one another.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ With EMAIL_BATCH_SIZE above 1 (and a backend with a batch endpoint) the same loo
 batches: it claims batches that are due again and forms new ones (frozen in the database
 before their first attempt), sends each as one request and writes one outcome per member.
 OUTBOX_CONCURRENCY and OUTBOX_RATE_LIMIT then count requests (batches).
+
+Long on purpose: it is one class, `Sender`, whose loop, concurrency, rate limit and batch mode
+share its state (the rows it holds, its concurrency slots, the rate limit's last wait, whether
+it is stopping); cut apart, they would pass that state around.
 """
 
 from __future__ import annotations

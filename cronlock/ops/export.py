@@ -19,6 +19,9 @@ others overdue.
 Schedulers without time zones get, for a job in a zone with daylight saving, entries for each
 UTC offset the zone has in the coming year (`utc_lines`); the header of each file says why the
 extra entries do no harm.
+
+Long on purpose: four formats from one registry share the cron conversion, the time zone offsets
+of the coming year and the notes for what has no cron form; each format alone is short.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ A keyed run's lock is a hash of its key, which cannot be turned back into the ke
 is named by the `running` row its backend recorded (backend pid and key), once the hash of
 that row's job and key is seen to be the lock's.
 
-Overdue: a job is overdue when the newest tick whose grace period has passed (the *due slot*)
-has no succeeded scheduled or backfill run, and no later tick has one either. Measuring
-against the newest success (rather than only the current slot) keeps a job overdue from a
-missed tick until a run succeeds, instead of clearing at the next tick and flapping.
+Overdue: see cronlock/core/due.py.
+
+Long on purpose: every view an operator reads (jobs, runs, locks, the outbox) with its answer
+models, shared by the routes and the CLI; one module keeps the two showing the same thing.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Annotated, Any, Literal, get_args
 
 import asyncpg
@@ -37,7 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from cronlock.core import cancel as requests
 from cronlock.core import lease, ledger, pause, retries
-from cronlock.core.jobs import Job, Registry
+from cronlock.core.catchup import CATCH_UP
+from cronlock.core.due import due_slot, is_overdue
+from cronlock.core.jobs import Registry
 from cronlock.core.schedule import ScheduleError
 from cronlock.db.lock import LockKey, held_locks, internal_lock, lock_key
 from cronlock.db.pool import Conn, deadline
@@ -70,10 +72,6 @@ TERMINATE_SQL = "SELECT pg_terminate_backend($1)"
 # How far back /cron/jobs looks for failed slots waiting for a retry (a retry older than this
 # is long given up by max_lateness or the backfill window in any sane configuration).
 RETRY_VIEW_WINDOW = 86400.0
-
-# The name of the lock that serialises catch-up decisions (cronlock/core/catchup.py), so that
-# `locks` can name it.
-CATCH_UP = "catch-up"
 
 
 # --- views ----------------------------------------------------------------------------------
@@ -214,21 +212,6 @@ class JobsView(BaseModel):
 
 class LocksView(BaseModel):
     locks: list[LockView]
-
-
-def due_slot(job: Job, now: datetime) -> datetime | None:
-    """The newest tick whose grace period has passed at `now`."""
-    if job.schedule is None:
-        return None
-    try:
-        return job.schedule.prev_tick(now - timedelta(seconds=job.grace))
-    except ScheduleError:
-        return None
-
-
-def is_overdue(job: Job, now: datetime, last_success: datetime | None) -> bool:
-    due = due_slot(job, now)
-    return due is not None and (last_success is None or last_success < due)
 
 
 def _instance(application_name: str | None) -> str | None:

@@ -21,11 +21,12 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from cronlock.core import ledger, pause
+from cronlock.core.due import is_overdue
 from cronlock.core.jobs import Registry
 from cronlock.core.metrics import CONTENT_TYPE, Metrics
 from cronlock.db.pool import Database
 from cronlock.errors import DatabaseUnavailable
-from cronlock.ops.views import NOW_AND_ROLE_SQL, is_overdue, outbox_stats, reading
+from cronlock.ops.views import NOW_AND_ROLE_SQL, outbox_stats, reading
 from cronlock.web.answers import authorized, unauthorized
 from cronlock.web.auth import Access
 from cronlock.web.deps import Serving, error

@@ -1,0 +1,137 @@
+"""`run` a job now and `catch-up` missed slots, in this process: through a Runner on a pool of
+its own, the same lock, slot and ledger path as the service's."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cronlock import inputs
+from cronlock.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    PARAMS,
+    fail,
+    job_name,
+    load_registry,
+    translated,
+)
+from cronlock.core import catchup
+from cronlock.core.jobs import Registry, parse_params
+from cronlock.core.outcome import answer
+from cronlock.core.runner import Runner
+from cronlock.db.pool import Database
+from cronlock.errors import DatabaseUnavailable, InvalidTrigger, JobDefinitionError
+from cronlock.settings import Settings, SettingsError
+
+
+def add_run(sub: Any) -> None:
+    run = sub.add_parser("run", help="run a job now, through the same lock/slot/ledger path")
+    run.add_argument("job", type=job_name)
+    run.add_argument("--force", action="store_true", help="run even if the slot is done")
+    run.add_argument("--slot", type=inputs.timestamp, help="backfill this past tick")
+    run.add_argument("--params", type=PARAMS, default=None, help="the job's params as JSON")
+    run.add_argument("--json", action="store_true", help="print JSON")
+    run.set_defaults(handler=cmd_run)
+
+
+def add_catch_up(sub: Any) -> None:
+    catch_up = sub.add_parser(
+        "catch-up", help="run, once, the missed slot of each job with catch_up=True"
+    )
+    catch_up.add_argument("--json", action="store_true")
+    catch_up.set_defaults(handler=cmd_catch_up)
+
+
+async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    registry = load_registry(settings)
+    if args.job not in registry:
+        print(f"cronlock: unknown job {args.job!r}; known: {', '.join(registry)}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        registry.check_leases(settings.db_query_timeout, settings.lease_margin)
+    except JobDefinitionError as exc:
+        raise SettingsError(str(exc)) from exc
+    job = registry[args.job]
+    try:
+        params = parse_params(job, (args.params or "").encode())
+        async with _runner(settings, registry) as runner:
+            outcome = await runner.trigger(
+                job, force=args.force, slot=args.slot, params=params, source="cli"
+            )
+            if outcome.kind == "accepted":
+                # A lease job runs in the background of this process: wait for its end. If
+                # this process dies first, its lease runs out and a running service takes it
+                # over.
+                outcome = await runner.leases.settle(outcome.run_id or 0) or outcome
+    except InvalidTrigger as exc:
+        return fail(f"invalid trigger: {_trigger_problem(exc)}", EXIT_USAGE)
+    _, body = answer(outcome)
+    if args.json:
+        print(json.dumps(body))
+    else:
+        print(" ".join(f"{k}={v}" for k, v in body.items()))
+    return EXIT_OK if outcome.kind in ("succeeded", "skipped") else EXIT_FAILED
+
+
+def _trigger_problem(exc: Exception) -> str:
+    """An InvalidTrigger's reason as one line: a text, or pydantic's errors (loc and msg)."""
+    reason = exc.args[0] if exc.args else ""
+    if isinstance(reason, list):
+        return "; ".join(
+            f"{'.'.join(map(str, e.get('loc', ()))) or 'params'}: {e.get('msg', '')}"
+            if isinstance(e, dict)
+            else str(e)
+            for e in reason
+        )
+    return str(reason)
+
+
+@contextlib.asynccontextmanager
+async def _runner(settings: Settings, registry: Registry) -> AsyncIterator[Runner]:
+    """A Runner on a pool of its own, for `run` and `catch-up`, on a database ready for jobs
+    only: migrations are `migrate`'s (MIGRATE_ON_START is the service's), as for `jobs`."""
+    settings = settings.model_copy(update={"migrate_on_start": False})
+    db = Database(settings)
+    try:
+        with translated():
+            await db.open()
+            # A first connection, so that DATABASE_URL refused by the driver is configuration
+            # (exit 2): check() reports every failure alike, as a problem.
+            async with db.connection():
+                pass
+            problem = await db.check(apply_migrations=False)
+        if problem is not None:
+            hint = " (python -m cronlock migrate)" if "migrat" in problem else ""
+            raise DatabaseUnavailable(problem + hint)
+        runner = Runner(settings, registry, db)
+        try:
+            with translated():
+                yield runner
+        finally:
+            # A lease run still held here (interrupted) gives its lease up before the pool
+            # goes, so that a running service takes it over at once.
+            await runner.leases.shutdown()
+    finally:
+        await db.close()
+
+
+async def cmd_catch_up(args: argparse.Namespace, settings: Settings) -> int:
+    registry = load_registry(settings)
+    async with _runner(settings, registry) as runner:
+        outcomes = await catchup.catch_up(runner)
+    bodies = [answer(o)[1] for o in outcomes]
+    if args.json:
+        print(json.dumps({"caught_up": bodies}))
+    elif not bodies:
+        print("nothing to catch up")
+    else:
+        for body in bodies:
+            print(" ".join(f"{k}={v}" for k, v in body.items()))
+    failed = [o for o in outcomes if o.kind not in ("succeeded", "skipped")]
+    return EXIT_FAILED if failed else EXIT_OK
