@@ -756,12 +756,12 @@ class Served(Instance):
         host_port = ["--host", "127.0.0.1", "--port", str(self.port)]
         return [sys.executable, "-m", self.module, "serve", *host_port]
 
+    def cwd(self) -> Path:
+        return self.dir
+
 
 class ServedAsTheImage(Served):
     module = "app"
-
-    def cwd(self) -> Path:
-        return self.dir
 
 
 @pytest.fixture
