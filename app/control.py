@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from app import pause
-from app.deps import DatabaseDep, RegistryDep, SettingsDep, error
+from app.deps import DatabaseDep, RegistryDep, RequestTooLarge, SettingsDep, error, read_body
 from app.errors import DRIVER_ERRORS, InvalidTrigger, translate
 from app.inputs import check_text, check_timestamp
 from app.jobs import NAME_PATTERN
@@ -47,13 +47,17 @@ class PauseAnswer(BaseModel):
 JobName = Annotated[str, Path(pattern=NAME_PATTERN.pattern, description="a job name")]
 RESPONSES: dict[int | str, dict[str, Any]] = {
     404: {"description": "unknown job"},
+    413: {"description": "body too large (MAX_BODY_BYTES)"},
     422: {"description": "bad body (e.g. `until` in the past)"},
     503: {"description": "database unavailable (Retry-After)"},
 }
 
 
-async def _body(request: Request) -> PauseRequest | JSONResponse:
-    raw = await request.body()
+async def _body(request: Request, limit: int) -> PauseRequest | JSONResponse:
+    try:
+        raw = await read_body(request, limit)
+    except RequestTooLarge:
+        return error(413, "request body too large", limit=limit)
     try:
         data = json.loads(raw) if raw.strip() else {}
         return PauseRequest.model_validate(data)
@@ -77,7 +81,7 @@ async def pause_job(
     still runs it. Again on a paused job: the note and `until` are replaced."""
     if name not in registry:
         return error(404, "unknown job", job=name)
-    body = await _body(request)
+    body = await _body(request, settings.max_body_bytes)
     if isinstance(body, JSONResponse):
         return body
     try:

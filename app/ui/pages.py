@@ -22,8 +22,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from app import ops, outbox
 from app import pause as pause_state
-from app.api import RequestTooLarge, read_body
 from app.db import Database
+from app.deps import RequestTooLarge, read_body
 from app.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
 from app.inputs import BIGINT_MAX, text_problem, timestamp_problem
 from app.jobs import MAX_KEY_LENGTH, Registry, parse_params
