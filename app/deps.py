@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
+from app.auth import Tokens
 from app.db import Database
 from app.jobs import Registry
 from app.runner import Runner
@@ -39,10 +40,18 @@ async def get_registry(request: Request) -> Registry:
     return registry
 
 
+async def get_tokens(request: Request) -> Tokens:
+    """The app's one set of accepted tokens (app/auth.py): what a route that checks a token
+    itself asks, as the Bearer check and the dashboard do."""
+    tokens: Tokens = request.state.tokens
+    return tokens
+
+
 RunnerDep = Annotated[Runner, Depends(get_runner)]
 DatabaseDep = Annotated[Database, Depends(get_db)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RegistryDep = Annotated[Registry, Depends(get_registry)]
+TokensDep = Annotated[Tokens, Depends(get_tokens)]
 
 
 class RequestTooLarge(Exception):

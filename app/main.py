@@ -11,10 +11,9 @@ from collections.abc import AsyncIterator
 from typing import TypedDict
 
 from fastapi import FastAPI
-from pydantic import SecretStr
 
 from app import __version__, alerts, api, catchup, logs, retries, scheduler, sender, ui
-from app.auth import BearerAuth
+from app.auth import BearerAuth, Tokens
 from app.db import Database
 from app.errors import JobDefinitionError
 from app.jobs import Registry, load
@@ -30,6 +29,7 @@ class State(TypedDict):
     registry: Registry
     db: Database
     runner: Runner
+    tokens: Tokens
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -38,7 +38,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from_env = settings is None
     try:
         settings = settings or Settings()
-        settings.check_secrets()
+        # Read (CRON_SECRET_FILE too) and checked once, here: every surface asks this object.
+        tokens = Tokens.from_settings(settings)
         settings.check_email()
         settings.check_retention()
         registry = load(settings.job_modules, settings.lock_namespace, settings.db_schema)
@@ -51,10 +52,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         raise
     if from_env:
         logs.setup(settings.log_format, settings.log_level)
-    return build(settings, registry)
+    return build(settings, registry, tokens)
 
 
-def build(settings: Settings, registry: Registry) -> FastAPI:
+def build(settings: Settings, registry: Registry, tokens: Tokens) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[State]:
         db = Database(settings)
@@ -88,7 +89,13 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
             extra={"instance": settings.instance_name, "jobs": list(registry)},
         )
         try:
-            yield {"settings": settings, "registry": registry, "db": db, "runner": runner}
+            yield {
+                "settings": settings,
+                "registry": registry,
+                "db": db,
+                "runner": runner,
+                "tokens": tokens,
+            }
         finally:
             stop.set()
             await runner.shutdown(settings.graceful_shutdown_timeout)
@@ -109,21 +116,10 @@ def build(settings: Settings, registry: Registry) -> FastAPI:
     if settings.ui_enabled:
         # Before api.install: its session check then sits inside TriggerDispatch (and
         # BearerAuth), so a trigger never passes through it.
-        ui.install(app, registry, settings)
+        ui.install(app, registry, settings, tokens)
     api.install(app, registry, settings)
-    tokens = settings.secrets()
-    app.add_middleware(
-        BearerAuth,
-        run_tokens=tokens,
-        read_tokens=_token(settings.cron_read_token),
-        metrics_tokens=_token(settings.metrics_token),
-        sessions=settings.ui_enabled,
-    )
+    app.add_middleware(BearerAuth, tokens=tokens, sessions=settings.ui_enabled)
     return app
-
-
-def _token(secret: SecretStr | None) -> list[bytes]:
-    return [secret.get_secret_value().encode()] if secret is not None else []
 
 
 async def _deliver(db: Database, settings: Settings, stop: asyncio.Event) -> None:

@@ -1,8 +1,11 @@
-"""The Bearer check on its own: parsing, constant-time matching, which paths need what."""
+"""The Bearer check on its own: parsing, constant-time matching, which paths need what, the
+one set of tokens every surface asks (and, with real instances, a secret file changed under a
+running one)."""
 
 from __future__ import annotations
 
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,13 +13,17 @@ import pytest
 from app.auth import (
     Access,
     BearerAuth,
+    Tokens,
     bearer_token,
     matches,
     required_access,
     route_path,
 )
+from app.settings import PLACEHOLDER_SECRET, Settings, SettingsError
 
 SECRET = b"s" * 40
+FILE_SECRET = "cronlock-file-secret-0123456789-abcdefghijklmnop"
+OLD_SECRET = "cronlock-old-secret-0123456789-abcdefghijklmnopq"
 
 
 @pytest.mark.parametrize(
@@ -49,6 +56,74 @@ def test_matches_any_candidate_and_nothing_else() -> None:
     assert not matches(SECRET, [])
     # Non-ASCII bytes are compared like any others: no exception, no match.
     assert not matches("é".encode() * 20, [SECRET])
+
+
+@pytest.mark.parametrize("token", [b"", b"x", b"s" * 31])
+def test_an_empty_or_short_token_never_matches_whatever_is_configured(token: bytes) -> None:
+    """Even against itself: no configuration, checked or not, lets a short token in."""
+    assert not matches(token, [token])
+    assert not matches(token, [token, SECRET])
+
+
+def test_tokens_hold_no_short_token_and_never_show_one() -> None:
+    with pytest.raises(ValueError, match="no cron secret"):
+        Tokens([])
+    for short in (b"", b"x", b"r" * 31):
+        with pytest.raises(ValueError, match="shorter than 32"):
+            Tokens([SECRET], read=[short])
+    tokens = Tokens([SECRET], read=[b"r" * 40], metrics=[b"m" * 40])
+    assert repr(tokens) == "Tokens(run=1, read=2, metrics=3)"
+    assert tokens.accepts(Access.RUN, SECRET)
+    assert not tokens.accepts(Access.RUN, b"r" * 40)
+    assert tokens.accepts(Access.READ, b"r" * 40)
+    assert tokens.accepts(Access.METRICS, b"m" * 40)
+    assert not tokens.accepts(Access.READ, b"m" * 40)
+    assert (tokens.kind(SECRET), tokens.kind(b"r" * 40), tokens.kind(b"m" * 40)) == (
+        "secret",
+        "read",
+        None,
+    )
+
+
+def test_the_secret_file_is_read_and_checked_once(tmp_path: Path) -> None:
+    """What is checked is what is served: changing the file afterwards changes nothing."""
+    path = tmp_path / "secret"
+    path.write_text(FILE_SECRET + "\n")
+    settings = Settings(_env_file=None, cron_secret_file=path, cron_secret_previous=OLD_SECRET)
+    tokens = Tokens.from_settings(settings)
+    for change in ("", "x", "n" * 40, None):
+        if change is None:
+            path.unlink()
+        else:
+            path.write_text(change)
+        assert tokens.accepts(Access.RUN, FILE_SECRET.encode())
+        assert tokens.accepts(Access.RUN, OLD_SECRET.encode())
+        assert tokens.kind(FILE_SECRET.encode()) == "secret"
+        assert not tokens.accepts(Access.RUN, b"n" * 40)
+        assert tokens.kind(b"n" * 40) is None
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("", "shorter than 32"),
+        ("\n", "shorter than 32"),
+        ("x", "shorter than 32"),
+        (PLACEHOLDER_SECRET, "placeholder"),
+        ("caf\u00e9" * 10, "printable ASCII"),
+        (None, "cannot be read"),
+    ],
+)
+def test_a_bad_secret_file_refuses_to_start(
+    tmp_path: Path, content: str | None, problem: str
+) -> None:
+    path = tmp_path / "secret"
+    if content is not None:
+        path.write_text(content)
+    settings = Settings(_env_file=None, cron_secret_file=path)
+    with pytest.raises(SettingsError, match=problem) as caught:
+        Tokens.from_settings(settings)
+    assert f"CRON_SECRET_FILE {path}" in str(caught.value)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +192,7 @@ async def test_a_websocket_handshake_never_reaches_the_app() -> None:
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
-    auth = BearerAuth(app, run_tokens=[SECRET])
+    auth = BearerAuth(app, tokens=Tokens([SECRET]))
     headers = [(b"authorization", b"Bearer " + SECRET)]
     scope = {"type": "websocket", "path": "/cron/jobs", "root_path": "", "headers": headers}
     await auth(scope, receive, send)

@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from app import ops, outbox
 from app import pause as pause_state
+from app.auth import Tokens
 from app.db import Database
 from app.deps import RequestTooLarge, read_body
 from app.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
@@ -180,12 +181,13 @@ async def login(request: Request) -> Response:
         presented = fields.get("csrf")
         if expected is None or not session.same(expected, presented):
             raise Refused(403, "Refused: the login form's CSRF token is missing. Reload it.")
-        kind = session.identify(settings, fields.get("token", ""))
+        tokens: Tokens = request.state.tokens
+        kind = session.identify(tokens, fields.get("token", ""))
         if kind is None:
             log.warning("ui login refused: wrong token", extra={"token": "unknown"})
             return page(request, "login.html", status=401, login_csrf=expected, failed=True)
         async with db.connection() as conn, ops.reading(conn):
-            value, _ = await session.create(conn, settings, kind, fields["token"])
+            value, _ = await session.create(conn, settings, tokens, kind, fields["token"])
         log.info("ui login", extra={"token": kind})
         response = back(request, "/")
         response.headers.append(
