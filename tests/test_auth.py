@@ -4,10 +4,15 @@ running one)."""
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import asyncio
+import contextlib
+import re
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import asyncpg
+import httpx
 import pytest
 
 from app.auth import (
@@ -20,6 +25,8 @@ from app.auth import (
     route_path,
 )
 from app.settings import PLACEHOLDER_SECRET, Settings, SettingsError
+from tests.support import TEST_SECRET
+from tests.support.cluster import Instance
 
 SECRET = b"s" * 40
 FILE_SECRET = "cronlock-file-secret-0123456789-abcdefghijklmnop"
@@ -198,3 +205,160 @@ async def test_a_websocket_handshake_never_reaches_the_app() -> None:
     await auth(scope, receive, send)
     assert reached == []
     assert sent == [{"type": "websocket.close", "code": 1008}]
+
+
+# --- the secret file changed under a running instance (real processes) -----------------------
+
+ROTATED = "cronlock-rotated-secret-0123456789-abcdefghijk"
+LOGIN_CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+
+
+async def dashboard_login(url: str, token: str) -> httpx.AsyncClient | None:
+    """A browser's login with `token`: its client (cookies) if it got a session, else None;
+    anything but 303 (in) or 401 (refused, on the login page) fails the test."""
+    browser = httpx.AsyncClient(base_url=url, timeout=30)
+    page = await browser.get("/ui/login")
+    assert page.status_code == 200, page.text
+    csrf = LOGIN_CSRF.search(page.text)
+    assert csrf is not None
+    r = await browser.post("/ui/login", data={"csrf": csrf.group(1), "token": token})
+    if r.status_code == 303:
+        return browser
+    assert r.status_code == 401, r.text
+    assert "That token is not one this service accepts." in r.text
+    await browser.aclose()
+    return None
+
+
+async def dashboard_acts(browser: httpx.AsyncClient) -> bool:
+    """A session pauses and resumes a job (the right the cron secret gives)."""
+    page = await browser.get("/ui/jobs/fast")
+    assert page.status_code == 200, page.text
+    csrf = LOGIN_CSRF.search(page.text)
+    assert csrf is not None
+    done = []
+    for action in ("pause", "resume"):
+        r = await browser.post(f"/ui/jobs/fast/{action}", data={"csrf": csrf.group(1)})
+        assert r.status_code in (303, 401, 403), r.text
+        done.append(r.status_code == 303 and f"notice={action}d" in r.headers["location"])
+    return all(done)
+
+
+async def gets_in(client: httpx.AsyncClient, url: str, token: str) -> dict[str, bool]:
+    """Where `token` gets in on a real instance: a trigger, a read route, /metrics, a dashboard
+    login and an action with its session. Never a 5xx."""
+    # An empty token is sent as "Bearer" alone: HTTP clients refuse trailing whitespace.
+    headers = {"Authorization": f"Bearer {token}".rstrip()}
+    answers = {
+        "trigger": await client.post(url + "/cron/fast", headers=headers),
+        "jobs": await client.get(url + "/cron/jobs", headers=headers),
+        "metrics": await client.get(url + "/metrics", headers=headers),
+    }
+    found = {}
+    for surface, r in answers.items():
+        assert r.status_code in (200, 401), (surface, r.status_code, r.text)
+        found[surface] = r.status_code == 200
+    browser = await dashboard_login(url, token)
+    found["dashboard login"] = browser is not None
+    found["dashboard action"] = browser is not None and await dashboard_acts(browser)
+    if browser is not None:
+        await browser.aclose()
+    return found
+
+
+async def test_a_secret_file_changed_under_a_running_instance_changes_nothing(
+    start_instance: Callable[..., Instance], client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """The file is read and checked once, at start: truncated, one character, rotated, removed,
+    restored while the instance runs, the API and the dashboard accept exactly the secret it
+    started with, never an empty or short token, and nothing answers 5xx or logs a
+    traceback. (A new secret takes a restart: docs/configuration.md, rotating the secret.)"""
+    path = tmp_path / "cron_secret"
+    path.write_text(FILE_SECRET + "\n")
+    env = {"CRON_SECRET": "", "CRON_SECRET_FILE": str(path), "UI_COOKIE_SECURE": "false"}
+    instance = start_instance("i1", env)
+    url = instance.url
+    kept = await dashboard_login(url, FILE_SECRET)  # a session made before any change
+    assert kept is not None
+    changes: list[tuple[str, str | None]] = [
+        ("as started", FILE_SECRET + "\n"),
+        ("truncated", ""),
+        ("one character", "x"),
+        ("rotated", ROTATED + "\n"),
+        ("removed", None),
+        ("restored", FILE_SECRET + "\n"),
+    ]
+    try:
+        for change, content in changes:
+            if content is None:
+                path.unlink()
+            else:
+                path.write_text(content)
+            for token in (FILE_SECRET, ROTATED, "", "x", " ", "x" * 31):
+                found = await gets_in(client, url, token)
+                expected = token == FILE_SECRET
+                assert found == dict.fromkeys(found, expected), (change, token, found)
+            assert (await kept.get("/ui/")).status_code == 200, change
+    finally:
+        await kept.aclose()
+    log = instance.log()
+    assert "Traceback" not in log
+    assert "unexpected error" not in log
+    assert "Exception in ASGI application" not in log
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+async def post_large(port: int, path: str, size: int, *, declared: bool) -> int:
+    """POST `size` bytes (declared with Content-Length, or chunked) over loopback, writing
+    until the server has answered and stopped reading; the answer's status."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    framing = f"Content-Length: {size}" if declared else "Transfer-Encoding: chunked"
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+        f"{TEST_SECRET}\r\nContent-Type: application/json\r\n{framing}\r\n\r\n".encode()
+    )
+    chunk = b"{" * (1024 * 1024)
+    answer = asyncio.create_task(reader.readline())
+
+    async def send() -> None:
+        for _ in range(size // len(chunk)):
+            if answer.done():
+                return
+            writer.write(chunk if declared else b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+        if not declared:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    # The server may answer and close before all is sent: what a client sending too much sees.
+    with contextlib.suppress(ConnectionError, OSError):
+        await send()
+    status_line = await asyncio.wait_for(answer, 30)
+    writer.close()
+    return int(status_line.split()[1])
+
+
+async def test_a_100_mb_pause_body_is_413_and_costs_the_instance_no_memory(
+    start_instance: Callable[..., Instance], client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """The pause route reads its body with the size-limited reader: 100 MB, declared or
+    chunked, is a 413 and never held (the instance's resident memory barely moves)."""
+    instance = start_instance("i1")
+    size = 100 * 1024 * 1024
+    path = "/cron/jobs/fast/pause"
+    # Warm up (imports, the first request's allocations) before measuring.
+    assert await post_large(instance.port, path, 1024 * 1024, declared=True) == 413
+    before = rss_bytes(instance.pid)
+    assert await post_large(instance.port, path, size, declared=True) == 413
+    assert await post_large(instance.port, path, size, declared=False) == 413
+    grown = rss_bytes(instance.pid) - before
+    assert grown < 16 * 1024 * 1024, f"the instance grew by {grown / 2**20:.1f} MB"
+    assert await db.fetchval("SELECT count(*) FROM cronlock.pauses") == 0
+    r = await client.get(instance.url + "/readyz")
+    assert r.status_code == 200
