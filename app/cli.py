@@ -40,7 +40,7 @@ from app.errors import (
     translate,
 )
 from app.schema import MigrationError
-from app.settings import Settings, SettingsError
+from app.settings import MIN_SECRET_LENGTH, Settings, SettingsError
 
 if TYPE_CHECKING:
     from app.embedded import LocalPostgres
@@ -892,6 +892,13 @@ def cmd_trigger(args: argparse.Namespace, settings: Settings) -> int:
     tokens = settings.secrets()
     if not tokens:
         return _fail("set CRON_SECRET or CRON_SECRET_FILE (never on the command line)", EXIT_USAGE)
+    if len(tokens[0]) < MIN_SECRET_LENGTH:  # an empty file, say: no service accepts it
+        where = (
+            "CRON_SECRET"
+            if settings.cron_secret
+            else f"CRON_SECRET_FILE {settings.cron_secret_file}"
+        )
+        return _fail(f"{where} is shorter than {MIN_SECRET_LENGTH} characters", EXIT_USAGE)
     headers = {"Authorization": f"Bearer {tokens[0].decode()}"}
     params: dict[str, str] = {}
     if args.force:
