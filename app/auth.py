@@ -8,7 +8,7 @@ Every surface asks one `Tokens` object, built once at start from checked setting
 the app's state: the Bearer check (triggers, read routes, metrics) and the dashboard's logins
 and sessions (app/ui/session.py). CRON_SECRET_FILE is read then and never again, so a file
 truncated, rotated or removed while the service runs changes nothing until a restart, and the
-API and the dashboard always accept the same tokens (docs/configuration.md, rotation).
+API and the dashboard always accept the same tokens (docs/operating.md, "Rotating the secret").
 """
 
 from __future__ import annotations

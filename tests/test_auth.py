@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from app.auth import (
 from app.settings import PLACEHOLDER_SECRET, Settings, SettingsError
 from tests.support import TEST_SECRET
 from tests.support.cluster import Instance
+from tests.support.ui import csrf_of
 
 SECRET = b"s" * 40
 FILE_SECRET = "cronlock-file-secret-0123456789-abcdefghijklmnop"
@@ -210,7 +210,6 @@ async def test_a_websocket_handshake_never_reaches_the_app() -> None:
 # --- the secret file changed under a running instance (real processes) -----------------------
 
 ROTATED = "cronlock-rotated-secret-0123456789-abcdefghijk"
-LOGIN_CSRF = re.compile(r'name="csrf" value="([^"]+)"')
 
 
 async def dashboard_login(url: str, token: str) -> httpx.AsyncClient | None:
@@ -219,9 +218,7 @@ async def dashboard_login(url: str, token: str) -> httpx.AsyncClient | None:
     browser = httpx.AsyncClient(base_url=url, timeout=30)
     page = await browser.get("/ui/login")
     assert page.status_code == 200, page.text
-    csrf = LOGIN_CSRF.search(page.text)
-    assert csrf is not None
-    r = await browser.post("/ui/login", data={"csrf": csrf.group(1), "token": token})
+    r = await browser.post("/ui/login", data={"csrf": csrf_of(page.text), "token": token})
     if r.status_code == 303:
         return browser
     assert r.status_code == 401, r.text
@@ -234,11 +231,10 @@ async def dashboard_acts(browser: httpx.AsyncClient) -> bool:
     """A session pauses and resumes a job (the right the cron secret gives)."""
     page = await browser.get("/ui/jobs/fast")
     assert page.status_code == 200, page.text
-    csrf = LOGIN_CSRF.search(page.text)
-    assert csrf is not None
+    csrf = csrf_of(page.text)
     done = []
     for action in ("pause", "resume"):
-        r = await browser.post(f"/ui/jobs/fast/{action}", data={"csrf": csrf.group(1)})
+        r = await browser.post(f"/ui/jobs/fast/{action}", data={"csrf": csrf})
         assert r.status_code in (303, 401, 403), r.text
         done.append(r.status_code == 303 and f"notice={action}d" in r.headers["location"])
     return all(done)
