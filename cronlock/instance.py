@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Unpack
 
@@ -49,7 +49,7 @@ from cronlock.version import __version__
 from cronlock.web import router as cron_router
 from cronlock.web import ui
 from cronlock.web.answers import Refused
-from cronlock.web.auth import Access
+from cronlock.web.auth import Tokens
 from cronlock.web.deps import error
 from cronlock.web.metrics import MetricsApp, refresh
 
@@ -122,7 +122,9 @@ class Cronlock:
             modules.append(HOUSEKEEPING)
         # What every part below reads (the pool's migrations, the CLI's view): these modules.
         self._settings = settings.model_copy(update={"cron_jobs": ",".join(modules)})
-        self._settings.check_secrets()
+        # Every token (CRON_SECRET_FILE's too) read and checked once, here: the router, the
+        # dashboard and the metrics all ask this one object (docs/operating.md, rotating).
+        self.tokens = Tokens.from_settings(self._settings)
         self._settings.check_email()
         self._settings.check_retention()
         self.prefix = prefix
@@ -242,20 +244,6 @@ class Cronlock:
     def runner(self) -> Runner | None:
         return self._started.runner if self._started is not None else None
 
-    def tokens(self, access: Access) -> Sequence[bytes]:
-        """The tokens each kind of access accepts: the cron secret (current and previous) for
-        everything, the read token for reads, the metrics token for metrics."""
-        s = self._settings
-        run = s.secrets()
-        read = [*run, *_token(s.cron_read_token)]
-        if access is Access.RUN:
-            return run
-        if access is Access.READ:
-            return read
-        if access is Access.METRICS:
-            return [*read, *_token(s.metrics_token)]
-        return []
-
     def bind(self, request: Request) -> None:
         """Give a request of cron's routes this Cronlock's objects (see cronlock/web/deps.py)."""
         started = self._started
@@ -273,6 +261,7 @@ class Cronlock:
         state["registry"] = self.jobs
         state["db"] = started.db
         state["runner"] = started.runner
+        state["tokens"] = self.tokens
 
     def state(self) -> dict[str, Any]:
         """The objects cron's routes read, as a lifespan's state (the standalone service)."""
@@ -283,6 +272,7 @@ class Cronlock:
             "registry": self.jobs,
             "db": started.db,
             "runner": started.runner,
+            "tokens": self.tokens,
         }
 
     @contextlib.asynccontextmanager
@@ -370,10 +360,6 @@ class Cronlock:
                 # Let them unwind (give back rows, close connections) before the pool goes.
                 await asyncio.wait(late, timeout=1.0)
         await started.db.close()
-
-
-def _token(secret: Any) -> list[bytes]:
-    return [secret.get_secret_value().encode()] if secret is not None else []
 
 
 def one_line(exc: ValidationError) -> str:

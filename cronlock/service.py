@@ -28,7 +28,7 @@ from cronlock.instance import Cronlock
 from cronlock.settings import Settings
 from cronlock.version import __version__
 from cronlock.web import api
-from cronlock.web.auth import Access, BearerAuth
+from cronlock.web.auth import BearerAuth
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -91,15 +91,7 @@ def build(cron: Cronlock) -> FastAPI:
         responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format"}},
     )
     api.install_handlers(app)
-    run = cron.tokens(Access.RUN)
-    read = cron.tokens(Access.READ)
-    app.add_middleware(
-        BearerAuth,
-        run_tokens=run,
-        read_tokens=read[len(run) :],
-        metrics_tokens=cron.tokens(Access.METRICS)[len(read) :],
-        sessions=settings.ui_enabled,
-    )
+    app.add_middleware(BearerAuth, tokens=cron.tokens, sessions=settings.ui_enabled)
     return app
 
 

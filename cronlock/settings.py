@@ -254,24 +254,34 @@ class Settings(BaseSettings):
 
     def check_secrets(self) -> None:
         """Fail closed: no secret, a short one or the placeholder means nothing may start."""
+        self.checked_tokens()
+
+    def checked_tokens(self) -> dict[str, bytes]:
+        """Every configured token by the setting it comes from, read once (CRON_SECRET_FILE
+        too) and checked: what is checked is what is served, never a second read of the file.
+        Raises SettingsError for no secret, a short token or the placeholder."""
         tokens = self.secrets()
         if not tokens:
             raise SettingsError(
                 "CRON_SECRET is not set: cronlock refuses to start without one. "
                 "Generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
             )
-        named = [("CRON_SECRET", tokens[0])]
+        named = {"CRON_SECRET": tokens[0]}
         if self.cron_secret_previous is not None:
-            named.append(("CRON_SECRET_PREVIOUS", tokens[-1]))
+            named["CRON_SECRET_PREVIOUS"] = tokens[-1]
         for extra in ("cron_read_token", "metrics_token"):
             value = getattr(self, extra)
             if value is not None:
-                named.append((extra.upper(), value.get_secret_value().encode()))
-        for name, token in named:
+                named[extra.upper()] = value.get_secret_value().encode()
+        for name, token in named.items():
+            where = name
+            if name == "CRON_SECRET" and self.cron_secret is None:
+                where = f"CRON_SECRET_FILE {self.cron_secret_file}"
             if token.decode(errors="replace").strip() == PLACEHOLDER_SECRET:
-                raise SettingsError(f"{name} is the placeholder from .env.example: set a real one")
+                raise SettingsError(f"{where} is the placeholder from .env.example: set a real one")
             if len(token) < MIN_SECRET_LENGTH:
-                raise SettingsError(f"{name} is shorter than {MIN_SECRET_LENGTH} characters")
+                raise SettingsError(f"{where} is shorter than {MIN_SECRET_LENGTH} characters")
+        return named
 
     def check_retention(self) -> None:
         """The ledger must outlive the backfill window: a slot whose succeeded row was pruned

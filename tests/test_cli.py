@@ -392,10 +392,13 @@ def test_settings_that_cannot_be_read_are_exit_2(cli_env: dict[str, str], tmp_pa
     (tmp_path / ".env").unlink()
     secret = tmp_path / "secret"
     secret.write_bytes(b"\xff" * 40)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")  # truncated: it would be sent as "Bearer " (refused by HTTP clients)
     for env, message in (
         ({"CRON_SECRET_FILE": str(secret)}, "is not UTF-8 text"),
         ({"CRON_SECRET": "\udcff" * 40}, "CRON_SECRET: Value error, must be printable ASCII"),
         ({"CRON_SECRET": "é" * 40}, "CRON_SECRET: Value error, must be printable ASCII"),
+        ({"CRON_SECRET": "", "CRON_SECRET_FILE": str(empty)}, "is shorter than 32 characters"),
     ):
         done = run_process({**cli_env, **env}, "trigger", "fast", "--url", "http://127.0.0.1:9")
         assert done.returncode == 2, (env, done.stderr)

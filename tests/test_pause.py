@@ -7,6 +7,7 @@ tests/test_on_its_own.py."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -109,6 +110,26 @@ async def test_bad_pause_requests_are_422(
     r = await post(client, a.url + "/cron/jobs/fast/pause", json=body)
     assert r.status_code == status, r.text
     assert "error" in r.json()
+
+
+async def test_a_pause_body_past_max_body_bytes_is_413(
+    start_app: StartApp, client: Any, db: asyncpg.Connection
+) -> None:
+    """Read with the size-limited reader, as every other body: declared or streamed."""
+    a = await start_app("a", max_body_bytes=1000)
+    note = {"note": "n" * 2000}
+    r = await post(client, a.url + "/cron/jobs/fast/pause", json=note)
+    assert (r.status_code, r.json()) == (413, {"error": "request body too large", "limit": 1000})
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(4):
+            yield b" " * 512
+
+    r = await client.post(a.url + "/cron/jobs/fast/pause", content=chunks(), headers=AUTH)
+    assert r.status_code == 413, r.text
+    assert await db.fetchval("SELECT count(*) FROM cronlock.pauses") == 0
+    r = await post(client, a.url + "/cron/jobs/fast/pause", json={"note": "n" * 100})
+    assert r.status_code == 200, r.text
 
 
 async def test_pause_needs_the_secret_and_a_known_job(start_app: StartApp, client: Any) -> None:

@@ -23,7 +23,7 @@ from cronlock.cli.common import (
     job_name,
     service_url,
 )
-from cronlock.settings import Settings
+from cronlock.settings import MIN_SECRET_LENGTH, Settings
 
 DEFAULT_SERVICE_URL = "http://127.0.0.1:8000"
 
@@ -99,6 +99,13 @@ def cmd_trigger(args: argparse.Namespace, settings: Settings) -> int:
     tokens = settings.secrets()
     if not tokens:
         return fail("set CRON_SECRET or CRON_SECRET_FILE (never on the command line)", EXIT_USAGE)
+    if len(tokens[0]) < MIN_SECRET_LENGTH:  # an empty file, say: no service accepts it
+        where = (
+            "CRON_SECRET"
+            if settings.cron_secret
+            else f"CRON_SECRET_FILE {settings.cron_secret_file}"
+        )
+        return fail(f"{where} is shorter than {MIN_SECRET_LENGTH} characters", EXIT_USAGE)
     headers = {"Authorization": f"Bearer {tokens[0].decode()}"}
     params: dict[str, str] = {}
     if args.force:

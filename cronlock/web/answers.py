@@ -8,7 +8,7 @@ the host registered (and cronlock registers no handler that would change the hos
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request
@@ -18,7 +18,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cronlock.errors import DatabaseUnavailable, InvalidInput
-from cronlock.web.auth import UNAUTHORIZED, bearer_token, matches
+from cronlock.web.auth import UNAUTHORIZED, Access, Tokens, bearer_token
 from cronlock.web.deps import error
 
 log = logging.getLogger("cronlock.api")
@@ -59,9 +59,9 @@ def unauthorized() -> Response:
     )
 
 
-def authorized(request: Request, tokens: Sequence[bytes]) -> bool:
+def authorized(request: Request, tokens: Tokens, access: Access) -> bool:
     token = bearer_token(request.headers.get("authorization", "").encode("latin-1") or None)
-    return token is not None and matches(token, tokens)
+    return token is not None and tokens.accepts(access, token)
 
 
 def answer_error(request: Request, exc: Exception) -> Response:

@@ -26,7 +26,7 @@ from cronlock.inputs import check_timestamp
 from cronlock.settings import Settings
 from cronlock.web import routes
 from cronlock.web.answers import invalid_input, validation_error
-from cronlock.web.deps import DatabaseDep, SettingsDep, error
+from cronlock.web.deps import DatabaseDep, RequestTooLarge, SettingsDep, error, read_body
 
 log = logging.getLogger("cronlock.api")
 
@@ -41,31 +41,6 @@ class TriggerQuery(BaseModel):
     # Any Python datetime fits PostgreSQL's timestamptz, but not every aware one is an instant
     # Python can hold in UTC, which is how it is compared and stored.
     slot: Annotated[AwareDatetime, AfterValidator(check_timestamp)] | None = None
-
-
-class RequestTooLarge(Exception):
-    pass
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and _declared_too_large(declared, limit):
-        raise RequestTooLarge
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestTooLarge
-    return bytes(body)
-
-
-def _declared_too_large(declared: str, limit: int) -> bool:
-    # isascii: str.isdigit() is true for "²", which int() refuses. More digits than the limit
-    # has is too large without converting them (int() refuses a string of 4300 digits).
-    if not (declared.isascii() and declared.isdigit()):
-        return False  # not a length: the body as streamed decides
-    digits = declared.lstrip("0")
-    return len(digits) > len(str(limit)) or int(digits or "0") > limit
 
 
 def outcome_response(outcome: Outcome) -> JSONResponse:

@@ -3,6 +3,12 @@
 Checking before routing means an unauthenticated caller learns nothing, not even which jobs
 exist: every `/cron/` path and the OpenAPI document answer 401 first. Fail closed: only the
 health checks are open; any other path, known or not, needs a token.
+
+Every surface asks one `Tokens` object, built once at start from checked settings and kept in
+the app's state: the Bearer check (triggers, read routes, metrics) and the dashboard's logins
+and sessions (cronlock/web/ui/session.py). CRON_SECRET_FILE is read then and never again, so a file
+truncated, rotated or removed while the service runs changes nothing until a restart, and the
+API and the dashboard always accept the same tokens (docs/operating.md, "Rotating the secret").
 """
 
 from __future__ import annotations
@@ -11,8 +17,11 @@ import hmac
 import json
 from collections.abc import Sequence
 from enum import Enum
+from typing import Literal
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from cronlock.settings import MIN_SECRET_LENGTH, Settings
 
 UNAUTHORIZED = json.dumps({"error": "Unauthorized"}).encode()
 
@@ -72,32 +81,77 @@ def bearer_token(header: bytes | None) -> bytes | None:
 
 def matches(token: bytes, candidates: Sequence[bytes]) -> bool:
     """Constant time in the token, and every candidate is compared, so timing reveals neither
-    the secret nor which of the current or previous secret matched."""
+    the secret nor which of the current or previous secret matched. An empty or short token
+    never matches, whatever is configured: no configured token may be that short, so refusing
+    it at once reveals nothing."""
+    if len(token) < MIN_SECRET_LENGTH:
+        return False
     found = False
     for candidate in candidates:
         found |= hmac.compare_digest(token, candidate)
     return found
 
 
-class BearerAuth:
+# A dashboard session's kind: made with the cron secret (`secret`: also act) or the read token.
+Kind = Literal["read", "secret"]
+
+
+class Tokens:
+    """The tokens this service accepts, by what they may do: the one source every surface
+    asks (see the module's docstring). Build it with `from_settings`, which reads and checks
+    them once; never holds an empty or short token."""
+
     def __init__(
         self,
-        app: ASGIApp,
-        *,
-        run_tokens: Sequence[bytes],
-        read_tokens: Sequence[bytes] = (),
-        metrics_tokens: Sequence[bytes] = (),
-        sessions: bool = False,
+        run: Sequence[bytes],
+        read: Sequence[bytes] = (),
+        metrics: Sequence[bytes] = (),
     ) -> None:
-        if not run_tokens:
+        if not run:
             raise ValueError("no cron secret: refusing to serve jobs without one")
+        if any(len(t) < MIN_SECRET_LENGTH for t in (*run, *read, *metrics)):
+            raise ValueError(f"a token is shorter than {MIN_SECRET_LENGTH} characters")
+        self.by_access = {
+            Access.RUN: (*run,),
+            Access.READ: (*run, *read),
+            Access.METRICS: (*run, *read, *metrics),
+        }
+        self.by_kind: dict[Kind, tuple[bytes, ...]] = {"secret": (*run,), "read": (*read,)}
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Tokens:
+        """Read (CRON_SECRET_FILE too) and checked by the start-up rules, once; SettingsError
+        when they do not hold."""
+        named = settings.checked_tokens()
+
+        def of(*names: str) -> list[bytes]:
+            return [named[name] for name in names if name in named]
+
+        return cls(
+            run=of("CRON_SECRET", "CRON_SECRET_PREVIOUS"),
+            read=of("CRON_READ_TOKEN"),
+            metrics=of("METRICS_TOKEN"),
+        )
+
+    def accepts(self, access: Access, token: bytes) -> bool:
+        return matches(token, self.by_access[access])
+
+    def kind(self, token: bytes) -> Kind | None:
+        """Which kind of session `token` opens, in constant time: every kind is compared, not
+        the first match returned, so timing shows no kind either."""
+        found = [kind for kind, tokens in self.by_kind.items() if matches(token, tokens)]
+        return found[0] if found else None
+
+    def __repr__(self) -> str:  # never the tokens themselves
+        counts = ", ".join(f"{a.value}={len(t)}" for a, t in self.by_access.items())
+        return f"Tokens({counts})"
+
+
+class BearerAuth:
+    def __init__(self, app: ASGIApp, *, tokens: Tokens, sessions: bool = False) -> None:
         self.app = app
         self.sessions = sessions
-        self.tokens = {
-            Access.RUN: list(run_tokens),
-            Access.READ: [*run_tokens, *read_tokens],
-            Access.METRICS: [*run_tokens, *read_tokens, *metrics_tokens],
-        }
+        self.tokens = tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -118,7 +172,7 @@ class BearerAuth:
                     header = value
                     break
             token = bearer_token(header)
-            if token is None or not matches(token, self.tokens[access]):
+            if token is None or not self.tokens.accepts(access, token):
                 await _unauthorized(send)
                 return
         await self.app(scope, receive, send)

@@ -18,7 +18,14 @@ from cronlock.core.jobs import NAME_PATTERN
 from cronlock.errors import DRIVER_ERRORS, InvalidTrigger, translate
 from cronlock.inputs import check_text, check_timestamp
 from cronlock.web.answers import CronRoute
-from cronlock.web.deps import DatabaseDep, RegistryDep, SettingsDep, error
+from cronlock.web.deps import (
+    DatabaseDep,
+    RegistryDep,
+    RequestTooLarge,
+    SettingsDep,
+    error,
+    read_body,
+)
 
 # CronRoute: each route answers its own errors (cronlock/web/answers.py).
 router = APIRouter(tags=["operations"], route_class=CronRoute)
@@ -50,13 +57,17 @@ class PauseAnswer(BaseModel):
 JobName = Annotated[str, Path(pattern=NAME_PATTERN.pattern, description="a job name")]
 RESPONSES: dict[int | str, dict[str, Any]] = {
     404: {"description": "unknown job"},
+    413: {"description": "body too large (MAX_BODY_BYTES)"},
     422: {"description": "bad body (e.g. `until` in the past)"},
     503: {"description": "database unavailable (Retry-After)"},
 }
 
 
-async def _body(request: Request) -> PauseRequest | JSONResponse:
-    raw = await request.body()
+async def _body(request: Request, limit: int) -> PauseRequest | JSONResponse:
+    try:
+        raw = await read_body(request, limit)
+    except RequestTooLarge:
+        return error(413, "request body too large", limit=limit)
     try:
         data = json.loads(raw) if raw.strip() else {}
         return PauseRequest.model_validate(data)
@@ -80,7 +91,7 @@ async def pause_job(
     still runs it. Again on a paused job: the note and `until` are replaced."""
     if name not in registry:
         return error(404, "unknown job", job=name)
-    body = await _body(request)
+    body = await _body(request, settings.max_body_bytes)
     if isinstance(body, JSONResponse):
         return body
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, Request
@@ -12,7 +11,7 @@ from cronlock.core.jobs import Registry
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.settings import Settings
-from cronlock.web.auth import Access
+from cronlock.web.auth import Tokens
 
 RETRY_AFTER_SECONDS = "5"
 
@@ -24,7 +23,8 @@ class Serving(Protocol):
     @property
     def settings(self) -> Settings: ...
 
-    def tokens(self, access: Access) -> Sequence[bytes]: ...
+    @property
+    def tokens(self) -> Tokens: ...
 
     def bind(self, request: Request) -> None: ...
 
@@ -54,10 +54,45 @@ async def get_registry(request: Request) -> Registry:
     return registry
 
 
+async def get_tokens(request: Request) -> Tokens:
+    """The app's one set of accepted tokens (cronlock/web/auth.py): what a route that checks a token
+    itself asks, as the Bearer check and the dashboard do."""
+    tokens: Tokens = request.state.tokens
+    return tokens
+
+
 RunnerDep = Annotated[Runner, Depends(get_runner)]
 DatabaseDep = Annotated[Database, Depends(get_db)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RegistryDep = Annotated[Registry, Depends(get_registry)]
+TokensDep = Annotated[Tokens, Depends(get_tokens)]
+
+
+class RequestTooLarge(Exception):
+    """A body past MAX_BODY_BYTES: every route that reads one reads it with `read_body`."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (RequestTooLarge) as soon as it is declared or streamed past `limit`:
+    never more than `limit` bytes held, whatever the client sends."""
+    declared = request.headers.get("content-length")
+    if declared is not None and _declared_too_large(declared, limit):
+        raise RequestTooLarge
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLarge
+    return bytes(body)
+
+
+def _declared_too_large(declared: str, limit: int) -> bool:
+    # isascii: str.isdigit() is true for "²", which int() refuses. More digits than the limit
+    # has is too large without converting them (int() refuses a string of 4300 digits).
+    if not (declared.isascii() and declared.isdigit()):
+        return False  # not a length: the body as streamed decides
+    digits = declared.lstrip("0")
+    return len(digits) > len(str(limit)) or int(digits or "0") > limit
 
 
 def error(status: int, message: str, **extra: Any) -> JSONResponse:

@@ -88,7 +88,7 @@ class MetricsApp:
             return
         request = Request(scope, receive)
         response: Response
-        if not authorized(request, self.source.tokens(Access.METRICS)):
+        if not authorized(request, self.source.tokens, Access.METRICS):
             response = unauthorized()
         elif request.method not in ("GET", "HEAD"):
             response = error(405, "method not allowed", allow="GET, HEAD")

@@ -66,7 +66,7 @@ def guarded(serving: Serving, handler: Endpoint) -> Endpoint:
     """A trigger's endpoint: the secret first, then the run."""
 
     async def trigger(request: Request) -> Response:
-        if not authorized(request, serving.tokens(Access.RUN)):
+        if not authorized(request, serving.tokens, Access.RUN):
             return unauthorized()
         serving.bind(request)
         return await handler(request)
@@ -85,7 +85,7 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
 
     def require(access: Access) -> Callable[[Request], Awaitable[None]]:
         async def check(request: Request) -> None:
-            if not authorized(request, serving.tokens(access)):
+            if not authorized(request, serving.tokens, access):
                 raise Refused(unauthorized())
 
         return check
@@ -119,7 +119,7 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
         needed = (
             Access.READ if method in ("GET", "HEAD") and api.is_read_route(name) else Access.RUN
         )
-        if not authorized(request, serving.tokens(needed)):
+        if not authorized(request, serving.tokens, needed):
             return unauthorized()
         return api.not_a_job(name, registry, serving.settings)
 

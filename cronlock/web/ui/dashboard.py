@@ -175,7 +175,7 @@ async def _session(scope: Scope) -> Session | None:
     state = scope["state"]
     db: Database = state["db"]
     async with db.connection() as conn, reading(conn):
-        return await session.lookup(conn, state["settings"], value)
+        return await session.lookup(conn, state["settings"], state["tokens"], value)
 
 
 async def _plain(send: Send, status: int, text: str) -> None:

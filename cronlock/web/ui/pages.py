@@ -32,8 +32,8 @@ from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
 from cronlock.inputs import BIGINT_MAX, text_problem, timestamp_problem
 from cronlock.ops import views as ops
 from cronlock.settings import Settings
-from cronlock.web.api import RequestTooLarge, read_body
-from cronlock.web.deps import RETRY_AFTER_SECONDS
+from cronlock.web.auth import Tokens
+from cronlock.web.deps import RETRY_AFTER_SECONDS, RequestTooLarge, read_body
 from cronlock.web.ui import session, timeline, words
 from cronlock.web.ui.session import Session
 
@@ -191,12 +191,13 @@ async def login(request: Request) -> Response:
         presented = fields.get("csrf")
         if expected is None or not session.same(expected, presented):
             raise Refused(403, "Refused: the login form's CSRF token is missing. Reload it.")
-        kind = session.identify(settings, fields.get("token", ""))
+        tokens: Tokens = request.state.tokens
+        kind = session.identify(tokens, fields.get("token", ""))
         if kind is None:
             log.warning("ui login refused: wrong token", extra={"token": "unknown"})
             return page(request, "login.html", status=401, login_csrf=expected, failed=True)
         async with db.connection() as conn, ops.reading(conn):
-            value, _ = await session.create(conn, settings, kind, fields["token"])
+            value, _ = await session.create(conn, settings, tokens, kind, fields["token"])
         log.info("ui login", extra={"token": kind})
         response = back(request, "/")
         response.headers.append(

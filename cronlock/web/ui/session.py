@@ -6,7 +6,9 @@ A session is made by logging in with the read token (kind `read`: see) or the cr
 kind, a fingerprint of the token used and the session's CSRF token. Every request to the
 dashboard (but the login page and static files) looks its row up, so a logout ends the session
 on every instance at once; a session whose token fingerprint is no longer among the configured
-tokens' (the token was rotated away) is refused and deleted.
+tokens' (the token was rotated away) is refused and deleted. The configured tokens are the app's one
+`Tokens` (cronlock/web/auth.py), the ones the Bearer check accepts: never a read of
+CRON_SECRET_FILE.
 
 The cookie is scoped to the path the dashboard is mounted at (`Path=/ui` in the standalone
 service), HttpOnly, SameSite=Strict, and Secure unless UI_COOKIE_SECURE=false; the Bearer
@@ -22,7 +24,7 @@ import json
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from starlette.requests import cookie_parser
 from starlette.types import Scope
@@ -30,7 +32,7 @@ from starlette.types import Scope
 from cronlock.db.pool import Conn
 from cronlock.settings import Settings
 from cronlock.sql import qualify
-from cronlock.web.auth import matches
+from cronlock.web.auth import Kind, Tokens
 
 log = logging.getLogger("cronlock.ui")
 
@@ -38,8 +40,6 @@ COOKIE = "cronlock_session"
 # The login form's CSRF token travels in this cookie and in the form (double submit): there
 # is no session yet to hold it.
 LOGIN_COOKIE = "cronlock_login"
-
-Kind = Literal["read", "secret"]
 
 # Every answer of the dashboard: no script or style but our own files, never in a frame, nothing
 # stored by a cache (pages carry data). SVG is drawn inline, styled by classes.
@@ -99,33 +99,25 @@ def _hash_id(value: str) -> bytes:
     return hashlib.sha256(value.encode()).digest()
 
 
-def configured(settings: Settings) -> dict[Kind, list[bytes]]:
-    """The tokens that may log in, by kind: the cron secret (current and previous) acts."""
-    read = settings.cron_read_token
-    return {
-        "secret": settings.secrets(),
-        "read": [read.get_secret_value().encode()] if read is not None else [],
-    }
+def fingerprints(tokens: Tokens) -> list[bytes]:
+    """Of the tokens that may log in: the cron secret (current and previous) and the read one."""
+    return [fingerprint(t) for found in tokens.by_kind.values() for t in found]
 
 
-def fingerprints(settings: Settings) -> list[bytes]:
-    return [fingerprint(t) for tokens in configured(settings).values() for t in tokens]
+def identify(tokens: Tokens, presented: str) -> Kind | None:
+    """Which kind of token `presented` is, in constant time (every candidate compared); an
+    empty or short one is none."""
+    return tokens.kind(presented.strip().encode())
 
 
-def identify(settings: Settings, presented: str) -> Kind | None:
-    """Which kind of token `presented` is, in constant time (every candidate compared)."""
-    token = presented.strip().encode()
-    # Every kind compared, not the first match returned: timing shows no kind either.
-    found = [kind for kind, tokens in configured(settings).items() if matches(token, tokens)]
-    return found[0] if found else None
-
-
-async def create(conn: Conn, settings: Settings, kind: Kind, presented: str) -> tuple[str, str]:
+async def create(
+    conn: Conn, settings: Settings, tokens: Tokens, kind: Kind, presented: str
+) -> tuple[str, str]:
     """A new session row; returns the cookie's value and the session's CSRF token."""
     value = secrets.token_urlsafe(32)
     csrf = secrets.token_urlsafe(32)
     schema = settings.db_schema
-    await conn.execute(qualify(PRUNE_SQL, schema), fingerprints(settings))
+    await conn.execute(qualify(PRUNE_SQL, schema), fingerprints(tokens))
     await conn.execute(qualify(PRUNE_ACTIONS_SQL, schema), settings.ledger_retention_days * 86400)
     await conn.execute(
         qualify(CREATE_SQL, schema),
@@ -138,13 +130,13 @@ async def create(conn: Conn, settings: Settings, kind: Kind, presented: str) -> 
     return value, csrf
 
 
-async def lookup(conn: Conn, settings: Settings, value: str) -> Session | None:
+async def lookup(conn: Conn, settings: Settings, tokens: Tokens, value: str) -> Session | None:
     """The live session of a cookie's value; a session of a rotated token is deleted."""
     id_hash = _hash_id(value)
     row = await conn.fetchrow(qualify(LOOKUP_SQL, settings.db_schema), id_hash)
     if row is None:
         return None
-    if bytes(row["token_fingerprint"]) not in fingerprints(settings):
+    if bytes(row["token_fingerprint"]) not in fingerprints(tokens):
         await conn.execute(qualify(DELETE_SQL, settings.db_schema), id_hash)
         return None
     return Session(kind=row["kind"], csrf=row["csrf_token"], id_hash=id_hash)
