@@ -18,6 +18,7 @@ from cronlock.core.jobs import JobContext, job
 from cronlock.errors import (
     ConfigurationError,
     CronlockError,
+    InvalidSchedule,
     JobDefinitionError,
     LeaseLost,
     RunCancelled,
@@ -30,6 +31,7 @@ __all__ = [
     "ConfigurationError",
     "Cronlock",
     "CronlockError",
+    "InvalidSchedule",
     "JobContext",
     "JobDefinitionError",
     "JobLock",
