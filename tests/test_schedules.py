@@ -334,6 +334,7 @@ async def test_changed_schedule_runs_nothing_more_of_the_old_and_set_never_waits
     assert row.next_at > done[0]["slot"] + timedelta(seconds=1)
 
     await cron.schedules.set(db, "user-digest", "u", every=1)
+
     async def digest_ran() -> bool:
         return await _count(db, "user-digest") > 0
 
