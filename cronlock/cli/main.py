@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_ops_commands(sub)
     add_pause_commands(sub)
+    # Dynamic schedules: their own module (imported here, as it builds on this one's helpers).
+    from cronlock.cli.schedules import add_schedules_commands
+
+    add_schedules_commands(sub)
     return parser
 
 

@@ -202,6 +202,17 @@ def check_key(job: Job, key: Any) -> tuple[str, Any]:
     return text, value
 
 
+def key_from_text(job: Job, text: str) -> str | int:
+    """A key given as text (a URL's path, the command line) as the key field takes it: an int
+    key's decimal text as an int; anything else as it is (refused by `check_key`, naming it)."""
+    if job.params is None or job.key is None:
+        return text
+    digits = text.removeprefix("-")
+    if job.params.model_fields[job.key].annotation is int and digits.isascii() and digits.isdigit():
+        return int(text)
+    return text
+
+
 def check(
     job: Job,
     key: Any,
@@ -434,7 +445,8 @@ class Schedules:
     def _schema(self) -> str:
         return self._settings.db_schema
 
-    def _job(self, name: str) -> Job:
+    def job_of(self, name: str) -> Job:
+        """The dynamic job `name`, or InvalidSchedule naming `job`."""
         return dynamic_job(self._registry(), name)
 
     def check(
@@ -450,7 +462,7 @@ class Schedules:
     ) -> Entry:
         """Validate without writing (what `set` checks first)."""
         return check(
-            self._job(job),
+            self.job_of(job),
             key,
             schedule=schedule,
             every=every,
@@ -492,7 +504,7 @@ class Schedules:
                     "remove some first",
                 )
         now: datetime = (await tx.fetch(NOW_SQL))[0]["now"]
-        job = self._job(entry.job)
+        job = self.job_of(entry.job)
         next_at = entry.slots.next_tick(now)
         rows = await tx.fetch(
             qualify(SET_SQL, self._schema),
@@ -510,13 +522,13 @@ class Schedules:
 
     async def remove(self, conn: Any, job: str, key: Any) -> bool:
         """Remove `key`'s schedule; whether there was one. A run under way finishes."""
-        text, _ = check_key(self._job(job), key)
+        text, _ = check_key(self.job_of(job), key)
         rows = await _Tx(conn).fetch(qualify(REMOVE_SQL, self._schema), job, text)
         return bool(rows)
 
     async def pause(self, conn: Any, job: str, key: Any) -> Row | None:
         """Pause `key`'s schedule (None: there is none); a run under way finishes."""
-        text, _ = check_key(self._job(job), key)
+        text, _ = check_key(self.job_of(job), key)
         rows = await _Tx(conn).fetch(qualify(PAUSE_SQL, self._schema), job, text)
         return _row(rows[0]) if rows else None
 
@@ -538,7 +550,7 @@ class Schedules:
         return await self.write(conn, entry)
 
     async def get(self, conn: Any, job: str, key: Any) -> Row | None:
-        text, _ = check_key(self._job(job), key)
+        text, _ = check_key(self.job_of(job), key)
         rows = await _Tx(conn).fetch(qualify(GET_SQL, self._schema), job, text)
         return _row(rows[0]) if rows else None
 
@@ -554,7 +566,7 @@ class Schedules:
     ) -> list[Row]:
         """Schedules of `job` by key: those after the key `after` (keyset pagination), with keys
         starting with `prefix`, due (and not paused) before `due_before`."""
-        self._job(job)
+        self.job_of(job)
         if not 1 <= limit <= MAX_PAGE:
             raise _refuse("limit", f"limit is 1 to {MAX_PAGE}")
         for name, value in (("prefix", prefix), ("after", after)):
