@@ -184,3 +184,35 @@ async def test_cli(capsys: pytest.CaptureFixture[str], db: asyncpg.Connection) -
     code, _, err = await run(capsys, "schedules", "set", "keyed-by-hand", "1", "--every", "60")
     assert (code, "invalid job" in err) == (2, True), err
     assert await count(db) == 0
+
+
+async def test_jobs_metrics_and_export_count_dynamic_jobs(
+    start_app: StartApp, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """/cron/jobs and /metrics: schedules, paused, due, late per dynamic job; the export says who
+    dispatches them and writes no entry for them."""
+    from cronlock.core.jobs import load
+    from cronlock.ops.export import export
+
+    app = await start_app("a", cron_jobs=JOBS)
+    base = f"{app.url}/cron/jobs/tenant-report/schedules"
+    for key in range(3):
+        body = {"every": 3600, "paused": key == 0}
+        assert (await client.put(f"{base}/{key}", json=body, headers=auth_headers())).is_success
+    # One due for an hour: late (past its grace), so the job is overdue.
+    await db.execute(
+        "UPDATE cronlock.schedules SET due_at = now() - interval '1 hour' WHERE key = '2'"
+    )
+    view = (await client.get(f"{app.url}/cron/jobs", headers=auth_headers())).json()
+    report = next(j for j in view["jobs"] if j["name"] == "tenant-report")
+    assert report["schedule"] == "dynamic"
+    assert report["schedules"] == {"schedules": 3, "paused": 1, "due": 1, "late": 1}
+    assert report["overdue"] is True
+    metrics = (await client.get(f"{app.url}/metrics", headers=auth_headers())).text
+    assert 'cronlock_schedules{job="tenant-report",state="all"} 3.0' in metrics
+    assert 'cronlock_schedules{job="tenant-report",state="late"} 1.0' in metrics
+    assert 'cronlock_job_overdue{job="tenant-report"} 1.0' in metrics
+    text, notes = export(load([JOBS]), "crontab", url="http://x")
+    assert "tenant-report: dynamic schedules" in text
+    assert "/cron/tenant-report" not in text
+    assert any("tenant-report: dynamic" in n and "built-in scheduler" in n for n in notes)

@@ -401,12 +401,13 @@ FROM (
 WHERE s.job = held.job AND s.key = held.key
 """
 STATS_SQL = """
-SELECT job, count(*) AS schedules, count(*) FILTER (WHERE paused) AS paused,
-       count(*) FILTER (WHERE NOT paused AND due_at <= now()) AS due,
-       count(*) FILTER (WHERE NOT paused AND due_at <= now() - make_interval(secs => $2))
+SELECT j.job, count(s.key) AS schedules, count(*) FILTER (WHERE s.paused) AS paused,
+       count(*) FILTER (WHERE NOT s.paused AND s.due_at <= now()) AS due,
+       count(*) FILTER (WHERE NOT s.paused AND s.due_at <= now() - make_interval(secs => j.grace))
            AS late
-FROM {schema}.schedules WHERE job = ANY($1::text[])
-GROUP BY job
+FROM unnest($1::text[], $2::float8[]) AS j(job, grace)
+LEFT JOIN {schema}.schedules AS s ON s.job = j.job
+GROUP BY j.job
 """
 
 
@@ -608,14 +609,13 @@ async def advance(conn: Conn, schema: str, planned: Planned) -> bool:
     return status.endswith(" 1")
 
 
-async def stats(
-    conn: Conn | asyncpg.Pool, schema: str, jobs: Sequence[str], late: float
-) -> dict[str, dict[str, int]]:
-    """Per dynamic job: schedules, paused, due now, late (due for more than `late` seconds)."""
-    rows = await conn.fetch(qualify(STATS_SQL, schema), list(jobs), late)
-    found = {r["job"]: {k: int(r[k]) for k in ("schedules", "paused", "due", "late")} for r in rows}
-    empty = {"schedules": 0, "paused": 0, "due": 0, "late": 0}
-    return {name: found.get(name, dict(empty)) for name in jobs}
+async def stats(conn: Conn, schema: str, jobs: Sequence[Job]) -> dict[str, dict[str, int]]:
+    """Per dynamic job: its schedules, paused, due now, and late (due for longer than the job's
+    grace: the dispatchers are not keeping up, or none is running)."""
+    rows = await conn.fetch(
+        qualify(STATS_SQL, schema), [j.name for j in jobs], [j.grace for j in jobs]
+    )
+    return {r["job"]: {k: int(r[k]) for k in ("schedules", "paused", "due", "late")} for r in rows}
 
 
 # --- dispatching ---------------------------------------------------------------------------------
