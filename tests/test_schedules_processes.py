@@ -57,14 +57,14 @@ async def test_three_dispatchers_kill_two(
         by_key.setdefault(r["key"], []).append(r)
     assert len(by_key) == KEYS
     step = timedelta(seconds=EVERY)
-    for key, attempts in by_key.items():
+    for tenant, attempts in by_key.items():
         slots = sorted(r["slot"] for r in attempts)
         # One attempt per slot, ever: no instance made a second one.
-        assert len(slots) == len(set(slots)), (key, slots)
+        assert len(slots) == len(set(slots)), (tenant, slots)
         # None missed: consecutive ticks, through the kill, up to the last one due well
         # before the end (the survivor's claim timeout and poll in hand).
-        assert all(b - a == step for a, b in itertools.pairwise(slots)), (key, slots)
-        assert slots[-1] >= ended_at - 2 * step, (key, slots, ended_at)
+        assert all(b - a == step for a, b in itertools.pairwise(slots)), (tenant, slots)
+        assert slots[-1] >= ended_at - 2 * step, (tenant, slots, ended_at)
         # Only runs in flight on a killed instance may have failed to succeed.
         for r in attempts:
             if r["status"] != "succeeded":
