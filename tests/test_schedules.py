@@ -59,6 +59,7 @@ async def noop(ctx: Any) -> None:
         ({"key": "tenant_id", "tz": "Europe/Berlin"}, "drop every= and tz="),
         ({"key": "tenant_id", "missed": "all"}, "drop catch_up= and missed="),
         ({"key": "tenant_id", "lease": 30}, "lease="),
+        ({"key": "tenant_id", "retries": 2}, "retries="),
     ],
 )
 def test_dynamic_declaration_refused(options: dict[str, Any], words: str) -> None:

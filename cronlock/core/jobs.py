@@ -358,6 +358,11 @@ def define(
     dynamic = schedule == DYNAMIC
     if dynamic:
         _check_dynamic(name, key, every, tz, catch_up, missed, lease)
+        if retries:
+            raise JobDefinitionError(
+                f"job {name!r}: schedule='dynamic' does not take retries= yet (a failed slot "
+                "is not retried; the next tick runs)"
+            )
         schedule = None
     if spread != 0.0 and not (dynamic and 0 <= spread <= MAX_SPREAD):
         raise JobDefinitionError(
