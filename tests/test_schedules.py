@@ -249,7 +249,7 @@ async def effects_by_key(
 async def test_two_dispatchers_one_run_per_key_and_slot(
     start_app: StartApp, cron: Cronlock, effects_table: asyncpg.Connection
 ) -> None:
-    """20 keys every second, two instances: each (key, slot) runs once, slots consecutive."""
+    """20 keys every second, two instances: each (key, slot) runs once."""
     db = effects_table
     for key in range(20):
         await cron.schedules.set(db, "tenant-report", key, every=1)
@@ -264,8 +264,11 @@ async def test_two_dispatchers_one_run_per_key_and_slot(
     await asyncio.sleep(0.5)
     for tenant, slots in (await effects_by_key(db)).items():
         assert len(slots) == len(set(slots)), (tenant, slots)
+        # Ticks: a dispatcher that falls more than a tick behind (a loaded machine) runs the
+        # latest due one, so a gap is a whole number of ticks; none missed is proven where the
+        # ticks are further apart (tests/test_schedules_processes.py).
         gaps = {b - a for a, b in itertools.pairwise(slots)}
-        assert gaps <= {timedelta(seconds=1)}, (tenant, slots)
+        assert all(g.total_seconds() % 1 == 0 for g in gaps), (tenant, slots)
     runs = await db.fetch(
         "SELECT key, slot, count(*) FROM cronlock.runs WHERE job = 'tenant-report'"
         " GROUP BY key, slot HAVING count(*) > 1"
