@@ -17,6 +17,7 @@ from cronlock.db.helper import JobLock, job_lock
 from cronlock.errors import (
     ConfigurationError,
     CronlockError,
+    InvalidSchedule,
     JobDefinitionError,
     LeaseLost,
     RunCancelled,
@@ -30,6 +31,7 @@ __all__ = [
     "ConfigurationError",
     "Cronlock",
     "CronlockError",
+    "InvalidSchedule",
     "JobContext",
     "JobDefinitionError",
     "JobLock",

@@ -100,6 +100,14 @@ class InvalidInput(CronlockError):
         self.loc = loc
 
 
+class InvalidSchedule(InvalidInput):
+    """A dynamic schedule refused before anything is written (cronlock/core/schedules.py): a bad
+    cron expression, zone, key or params, a job that is not dynamic, the configured limit.
+    `loc` names the field (`schedule`, `tz`, `every`, `params`, `key`, `job`); 422, CLI exit 2."""
+
+    kind = "invalid_schedule"
+
+
 # Errors that mean "the database cannot serve us now", as opposed to a bug in a query.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,

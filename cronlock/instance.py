@@ -37,6 +37,7 @@ from cronlock.core import catchup, retries, scheduler
 from cronlock.core.jobs import Job, JobFunc, JobOptions, Registry, define, load
 from cronlock.core.metrics import Metrics
 from cronlock.core.runner import Runner
+from cronlock.core.schedules import Schedules
 from cronlock.db.engine import check_engine
 from cronlock.db.helper import JobLock
 from cronlock.db.helper import job_lock as take_job_lock
@@ -180,6 +181,13 @@ class Cronlock:
         runs of `job` take (docs/orm.md)."""
         s = self._settings
         return take_job_lock(conn, job, schema=s.db_schema, namespace=s.lock_namespace, key=key)
+
+    @property
+    def schedules(self) -> Schedules:
+        """The schedules of dynamic jobs (`schedule="dynamic"`), set in your own transaction:
+        `await cron.schedules.set(conn, job, key, schedule=..., tz=..., params=...)`
+        (cronlock/core/schedules.py, docs/dynamic-schedules.md)."""
+        return Schedules(lambda: self.jobs, self._settings)
 
     @property
     def jobs(self) -> Registry:

@@ -114,6 +114,15 @@ class Settings(BaseSettings):
     scheduler_jitter: float = Field(default=0.5, ge=0)
     # How often the offset between this instance's clock and the database's is measured again.
     scheduler_clock_interval: float = Field(default=60.0, gt=0)
+    # Dynamic schedules (cronlock/core/schedules.py), dispatched by the built-in scheduler: the
+    # most runs of them one instance has under way at once (due rows beyond wait in the table,
+    # holding no connection), how often it looks for due rows, and how long a claimed row is
+    # left to the instance that claimed it (one killed after its claim delays that run so long).
+    scheduler_concurrency: int = Field(default=10, ge=1, le=1000)
+    scheduler_poll_interval: float = Field(default=1.0, gt=0)
+    scheduler_claim_timeout: float = Field(default=10.0, gt=0)
+    # The most schedules the table may hold (a set beyond it is refused with a 422); 0: no limit.
+    schedules_max: int = Field(default=0, ge=0)
     ledger_retention_days: float = Field(default=90.0, gt=0)
     # Lease jobs (`@job(..., lease=)`): how often each instance looks for runs whose lease ran
     # out, to take them over; and the part of a lease its holder keeps in hand, besides

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from cronlock.cli import control, migrate, outbox, reads, run, schedule, serve, trigger
+from cronlock.cli import control, migrate, outbox, reads, run, schedule, schedules, serve, trigger
 from cronlock.cli.common import (
     EXIT_FAILED,
     EXIT_UNAVAILABLE,
@@ -124,4 +124,5 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_commands(sub)
     run.add_catch_up(sub)
     control.add_pause(sub)
+    schedules.add_schedules_commands(sub)
     return parser

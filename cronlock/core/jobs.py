@@ -19,6 +19,10 @@ lease (cronlock/core/lease.py), committed with `ctx.checkpoint`, from which a la
 `ctx.session` (the `sqlalchemy` extra) is a SQLAlchemy AsyncSession on the same connection and
 in the same transaction as `ctx.conn` (a lease job's: the open step's); its `commit()` releases
 a savepoint, never the lock's transaction (cronlock/db/orm.py, docs/orm.md).
+
+Long on purpose: a job's declaration rules (`define`), the context it runs with and the
+registry that checks the set are one concept whose rules refer to each other; apart, a rule
+about keys or leases would be checked in one module and relied on in another.
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ KEY_TYPES: tuple[type, ...] = (str, int)
 # The key's text goes into the lock's hash, a ledger column and a unique index, whose rows
 # PostgreSQL caps at about 2.7 kB: a longer key would fail its commit, not its trigger.
 MAX_KEY_LENGTH = 200
+# `schedule="dynamic"` (cronlock/core/schedules.py) and the most its `spread=` may be: a day.
+DYNAMIC = "dynamic"
+MAX_SPREAD = 86400.0
 
 
 class Steps(Protocol):
@@ -228,6 +235,12 @@ class Job:
     # Lease mode: the lease's length in seconds (cronlock/core/lease.py); None runs in one
     # transaction.
     lease: float | None = None
+    # `schedule="dynamic"`: a keyed job whose schedules are rows, one per key
+    # (cronlock/core/schedules.py), dispatched by the built-in scheduler; `schedule` is None.
+    dynamic: bool = False
+    # Dynamic jobs: each key's start is spread over this many seconds after its tick,
+    # deterministically by key (the slot stays the tick).
+    spread: float = 0.0
 
     @property
     def tz(self) -> str | None:
@@ -292,6 +305,7 @@ class JobOptions(TypedDict, total=False):
     ping_url: str | None
     webhook_url: str | None
     lease: float | None
+    spread: float
 
 
 def job(name: str, **options: Unpack[JobOptions]) -> Callable[[JobFunc], JobFunc]:
@@ -331,6 +345,7 @@ def define(
     ping_url: str | None = None,
     webhook_url: str | None = None,
     lease: float | None = None,
+    spread: float = 0.0,
 ) -> Callable[[JobFunc], Job]:
     """Check a job's declaration now (a JobDefinitionError names what is wrong) and return
     what makes its `Job` from the function."""
@@ -344,6 +359,19 @@ def define(
         raise JobDefinitionError(f"job {name!r}: timeout must be positive")
     if early_tolerance < 0 or (max_lateness is not None and max_lateness <= 0):
         raise JobDefinitionError(f"job {name!r}: tolerances must be positive")
+    dynamic = schedule == DYNAMIC
+    if dynamic:
+        _check_dynamic(name, key, every, tz, catch_up, missed, lease)
+        if retries:
+            raise JobDefinitionError(
+                f"job {name!r}: schedule='dynamic' does not take retries= yet (a failed slot "
+                "is not retried; the next tick runs)"
+            )
+        schedule = None
+    if spread != 0.0 and not (dynamic and 0 <= spread <= MAX_SPREAD):
+        raise JobDefinitionError(
+            f"job {name!r}: spread= is for dynamic jobs (schedule='dynamic'), 0 to {MAX_SPREAD} s"
+        )
     if every is not None and schedule is not None:
         raise JobDefinitionError(f"job {name!r}: give schedule= or every=, not both")
     if every is not None and tz != "UTC":
@@ -405,9 +433,42 @@ def define(
             ping_url=ping_url,
             webhook_url=webhook_url,
             lease=lease,
+            dynamic=dynamic,
+            spread=float(spread),
         )
 
     return make
+
+
+def _check_dynamic(
+    name: str,
+    key: str | None,
+    every: float | None,
+    tz: str,
+    catch_up: bool,
+    missed: Missed | None,
+    lease: float | None,
+) -> None:
+    """What `schedule="dynamic"` cannot be combined with: each key's row has its own schedule
+    and zone, and its own slots (a missed one runs once, the latest: docs/dynamic-schedules.md)."""
+    if key is None:
+        raise JobDefinitionError(
+            f"job {name!r}: schedule='dynamic' needs key= (the schedules are one per key)"
+        )
+    if every is not None or tz != "UTC":
+        raise JobDefinitionError(
+            f"job {name!r}: schedule='dynamic' takes each key's schedule and zone from its row; "
+            "drop every= and tz="
+        )
+    if catch_up or missed not in (None, "none"):
+        raise JobDefinitionError(
+            f"job {name!r}: schedule='dynamic' runs each key's latest due slot once; drop "
+            "catch_up= and missed="
+        )
+    if lease is not None:
+        raise JobDefinitionError(
+            f"job {name!r}: schedule='dynamic' does not take lease= yet; run in one transaction"
+        )
 
 
 def _missed_policy(name: str, missed: Missed | None, catch_up: bool, scheduled: bool) -> Missed:

@@ -316,6 +316,20 @@ async def slot_attempted(conn: Conn | asyncpg.Pool, schema: str, job: str, slot:
     return bool(await conn.fetchval(qualify(SLOT_ATTEMPTED_SQL, schema), job, slot))
 
 
+KEY_SLOT_ATTEMPTED_SQL = """
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.runs
+    WHERE job = $1 AND key = $2 AND slot = $3 AND trigger IN ('scheduled', 'backfill')
+)
+"""
+
+
+async def key_slot_attempted(conn: Conn, schema: str, job: str, key: str, slot: datetime) -> bool:
+    """Whether any scheduled or backfill run of this key was made for this slot (a dynamic
+    job's first attempt: index runs_key_slot, migration 0013)."""
+    return bool(await conn.fetchval(qualify(KEY_SLOT_ATTEMPTED_SQL, schema), job, key, slot))
+
+
 # The missed-slot policy `all` (cronlock/core/catchup.py): which recent slots have any attempt, and
 # where the job's history starts (slots before its first run were never missed).
 ATTEMPTED_SINCE_SQL = """

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
@@ -39,7 +39,10 @@ SKIP_REASONS = (
     "too late",
     "paused",
     "already retried",
+    "schedule changed",
 )
+# A dynamic run's start after its due time (its tick plus the key's spread offset).
+LATENESS_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600)
 
 # From a quick statement to the longest timeout worth having (an hour).
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -133,6 +136,22 @@ class Metrics:
             "standby); the deployment-wide series are stale when it is 0.",
             registry=r,
         )
+        # Dynamic jobs (cronlock/core/schedules.py): per instance, the lateness of the runs this
+        # instance's dispatcher started; deployment-wide, the schedules' counts.
+        self.start_lateness = Histogram(
+            "cronlock_schedule_start_lateness_seconds",
+            "Dynamic runs this instance dispatched: start after the due time (tick plus spread).",
+            ["job"],
+            buckets=LATENESS_BUCKETS,
+            registry=r,
+        )
+        self.schedule_counts = Gauge(
+            "cronlock_schedules",
+            "Dynamic schedules by state: all, paused, due (now) and late (due for longer than "
+            "SCHEDULER_CLAIM_TIMEOUT); deployment-wide, read at scrape time.",
+            ["job", "state"],
+            registry=r,
+        )
         # Every known series starts at 0, so rate() and absence alerts work from the start.
         for job in jobs:
             for outcome in FINISHED:
@@ -151,6 +170,15 @@ class Metrics:
             self.runs.labels(outcome.job, outcome.kind).inc()
             if outcome.duration_ms is not None:
                 self.duration.labels(outcome.job, outcome.kind).observe(outcome.duration_ms / 1000)
+
+    def observe_start_lateness(self, job: str, late: timedelta) -> None:
+        self.start_lateness.labels(job).observe(max(0.0, late.total_seconds()))
+
+    def set_schedules(self, counts: Mapping[str, Mapping[str, int]]) -> None:
+        for job, by_state in counts.items():
+            for state, n in by_state.items():
+                label = "all" if state == "schedules" else state
+                self.schedule_counts.labels(job, label).set(n)
 
     def set_jobs(self, overdue: Mapping[str, bool], last_success: Mapping[str, datetime]) -> None:
         for job, late in overdue.items():

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from cronlock.core import cancel, ledger, pause
+from cronlock.core import cancel, ledger, pause, schedules
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, call
 from cronlock.core.lease_runner import LeaseRunner
 from cronlock.core.outcome import Kind, Outcome
@@ -61,6 +61,8 @@ class _Lease:
     tx: asyncpg.transaction.Transaction
     ctx: JobContext
     started: float = field(default_factory=time.monotonic)
+    # A dynamic schedule's run: its recording transaction advances the row (core/schedules.py).
+    planned: schedules.Planned | None = None
 
 
 def _cancelled_by_operator(error: BaseException) -> bool:
@@ -118,8 +120,10 @@ class Runner:
         source: str = "http",
         retry_of: ledger.Run | None = None,
         first_attempt: bool = False,
+        planned: schedules.Planned | None = None,
     ) -> Outcome:
-        """Run `job` if it is not running anywhere and its slot is not done yet. `retry_of`:
+        """Run `job` if it is not running anywhere and its slot is not done yet. `planned`: a
+        dynamic schedule's run, claimed by the dispatcher (cronlock/core/schedules.py). `retry_of`:
         this run is the next attempt at that failed one, for its slot (cronlock/core/retries.py).
         `first_attempt` (the built-in scheduler, catch-up): only if no attempt at the slot
         exists, checked under the lock; a failed one is the retries' business."""
@@ -155,7 +159,7 @@ class Runner:
                 handed_off = started.kind == "accepted"
                 return started
             lease_or_skip = await self._acquire(
-                job, key, trigger, slot, params, source, retry_of, first_attempt
+                job, key, trigger, slot, params, source, retry_of, first_attempt, planned
             )
             if isinstance(lease_or_skip, Outcome):
                 return lease_or_skip
@@ -269,6 +273,7 @@ class Runner:
         source: str,
         retry_of: ledger.Run | None = None,
         first_attempt: bool = False,
+        planned: schedules.Planned | None = None,
     ) -> _Lease | Outcome:
         await self.db.ensure_ready()
         try:
@@ -308,7 +313,14 @@ class Runner:
                 ):
                     return self.skip(job, "already retried", backfill, trigger, source, key)
                 skip, slot = await self.decide_slot(
-                    conn, job, key, trigger, backfill, now, first_attempt=first_attempt
+                    conn,
+                    job,
+                    key,
+                    trigger,
+                    backfill,
+                    now,
+                    first_attempt=first_attempt,
+                    planned=planned,
                 )
             if skip is not None:
                 return self.skip(job, skip, slot, trigger, source, key)
@@ -344,7 +356,7 @@ class Runner:
                 sessions=self.sessions,
             )
             handed_over = True
-            return _Lease(job, conn, tx, ctx)
+            return _Lease(job, conn, tx, ctx, planned=planned)
         except DRIVER_ERRORS as exc:
             # The run's ledger row carries the request's params (and slot): a value the
             # database refuses there is the client's 422.
@@ -366,12 +378,15 @@ class Runner:
         now: datetime,
         *,
         first_attempt: bool = False,
+        planned: schedules.Planned | None = None,
     ) -> tuple[str | None, datetime | None]:
         """The slot this run is for, and the reason to skip it, if any."""
         # Under the lock too: a pause committed since the probe still stops the run (lease
         # runs decide here as well). A manual run (force=true) is an operator's: it runs.
         if trigger != "manual" and await pause.is_paused(conn, self.settings.db_schema, job.name):
             return "paused", None
+        if planned is not None:
+            return await self._decide_planned(conn, job, planned, now)
         if job.schedule is None:
             return None, None
         if trigger == "backfill":
@@ -397,6 +412,23 @@ class Runner:
             return "already attempted", slot
         late = job.max_lateness is not None and now - slot > timedelta(seconds=job.max_lateness)
         if trigger == "scheduled" and late:
+            return "too late", slot
+        return None, slot
+
+    async def _decide_planned(
+        self, conn: Conn, job: Job, planned: schedules.Planned, now: datetime
+    ) -> tuple[str | None, datetime | None]:
+        """A dynamic schedule's slot, under its key's lock: only while the row still holds what
+        was claimed, only as the slot's first attempt, not later than max_lateness after its
+        start (tick plus spread)."""
+        schema, slot = self.settings.db_schema, planned.slot
+        if not await schedules.holds(conn, schema, planned):
+            return "schedule changed", slot
+        if await ledger.key_slot_attempted(conn, schema, job.name, planned.key, slot):
+            # Done or failed: a failed one is the retries' business.
+            return "already attempted", slot
+        late = now - planned.start_at
+        if job.max_lateness is not None and late > timedelta(seconds=job.max_lateness):
             return "too late", slot
         return None, slot
 
@@ -479,6 +511,8 @@ class Runner:
                     client_check_interval=self.settings.db_client_check_interval,
                     server_version=self.db.server_version,
                 )
+                if lease.planned is not None:
+                    await schedules.advance(lease.conn, self.settings.db_schema, lease.planned)
                 duration = await ledger.succeed(
                     lease.conn, self.settings.db_schema, lease.ctx.run_id, result
                 )
@@ -504,7 +538,7 @@ class Runner:
                 await lease.tx.rollback()
         except Exception:  # the connection is gone: the server rolled back for us
             terminate(lease.conn)
-        await self._record(lease.ctx.run_id, status, error)
+        await self._record(lease.ctx.run_id, status, error, lease.planned)
 
     async def _abort(self, lease: _Lease, task: asyncio.Task[Any], status: str, error: str) -> None:
         # Closing the socket ends the transaction server-side at once (and, with
@@ -514,12 +548,21 @@ class Runner:
         task.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.wait({task}, timeout=1.0)
-        await asyncio.shield(self._record(lease.ctx.run_id, status, error))
+        await asyncio.shield(self._record(lease.ctx.run_id, status, error, lease.planned))
 
-    async def _record(self, run_id: int, status: str, error: str) -> None:
+    async def _record(
+        self, run_id: int, status: str, error: str, planned: schedules.Planned | None = None
+    ) -> None:
         try:
             async with self.db.connection() as conn:
-                await ledger.finish(conn, self.settings.db_schema, run_id, status, error)
+                if planned is None:
+                    await ledger.finish(conn, self.settings.db_schema, run_id, status, error)
+                    return
+                # A failed dynamic run: its schedule moves on with the record of its failure
+                # (the slot is the retries' business), so a failing key never loops.
+                async with conn.transaction():
+                    await ledger.finish(conn, self.settings.db_schema, run_id, status, error)
+                    await schedules.advance(conn, self.settings.db_schema, planned)
         except Exception as exc:
             # The row stays `running` and is closed as `abandoned` once its lock is seen gone.
             log.warning("could not record run %s as %s: %s", run_id, status, describe(exc))

@@ -23,7 +23,8 @@ its slot (another slot's run holds the job's lock: a long previous run, a catch-
 a manual run) tries again until shortly before the next tick. A slot no instance triggered
 (all down, a stalled loop) is the missed-slot policy's (cronlock/core/catchup.py).
 
-Keyed jobs are not ticked: a trigger carries its key, which only the job's operator knows.
+Keyed jobs are not ticked: a trigger carries its key, which only the job's operator knows
+(a dynamic job's keys are its schedules' rows: cronlock/core/schedules.py dispatches them).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from cronlock.core import ledger
+from cronlock.core.dispatch import Dispatcher
 from cronlock.core.jobs import Job
 from cronlock.core.outcome import Outcome
 from cronlock.core.runner import Runner
@@ -212,5 +214,6 @@ class Scheduler:
 
 
 async def scheduler_loop(runner: Runner, stop: asyncio.Event) -> None:
-    """The built-in scheduler in the background of a service instance."""
-    await Scheduler(runner).run(stop)
+    """The built-in scheduler in the background of a service instance: code schedules ticked
+    here, dynamic schedules (rows) dispatched by cronlock/core/schedules.py."""
+    await asyncio.gather(Scheduler(runner).run(stop), Dispatcher(runner).run(stop))

@@ -322,6 +322,13 @@ def crontab(registry: Registry, *, url: str, header_file: str, start: datetime) 
     out = [CRONTAB_HEADER.format(header=shlex.quote(header_file))]
     out.append("SHELL=/bin/sh\nPATH=/usr/local/bin:/usr/bin:/bin\n")
     for job in registry.values():
+        if job.dynamic:
+            out.append(
+                f"\n# {job.name}: dynamic schedules (one per key, in the database) are "
+                "dispatched by cronlock's built-in scheduler (SCHEDULER_ENABLED=true), not "
+                "by cron\n"
+            )
+            continue
         if job.schedule is None:
             out.append(f"\n# {job.name}: no schedule, trigger on demand only\n")
             continue
@@ -606,7 +613,14 @@ def export(
     for what, value in given.items():
         if has_control(value):
             raise ExportError(f"the {what} contains a control character (a newline, a tab...)")
-    notes = [f"{j.name}: no schedule, not exported" for j in registry.values() if not j.schedule]
+    notes = [
+        f"{j.name}: dynamic (a schedule per key, in the database): dispatched by the built-in "
+        "scheduler (SCHEDULER_ENABLED=true), not by an external cron; not exported"
+        if j.dynamic
+        else f"{j.name}: no schedule, not exported"
+        for j in registry.values()
+        if not j.schedule
+    ]
     registry, interval_notes = as_cron(registry)
     notes += interval_notes
     if fmt == "crontab":

@@ -36,7 +36,7 @@ import asyncpg
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from cronlock.core import cancel as requests
-from cronlock.core import lease, ledger, pause, retries
+from cronlock.core import lease, ledger, pause, retries, schedules
 from cronlock.core.catchup import CATCH_UP
 from cronlock.core.due import due_slot, is_overdue
 from cronlock.core.jobs import Registry
@@ -203,6 +203,9 @@ class JobView(BaseModel):
     # Its oldest failed slot that cronlock will retry (cronlock/core/retries.py): "failing, retry 2
     # of 3 at T"; None when nothing is waiting for a retry.
     retry: retries.RetryView | None = None
+    # A dynamic job's schedules (cronlock/core/schedules.py): how many, paused, due now, late
+    # (due for longer than its grace); None for any other job.
+    schedules: dict[str, int] | None = None
 
 
 class JobsView(BaseModel):
@@ -331,6 +334,8 @@ async def jobs(
     succeeded = await ledger.last_succeeded_slots(conn, registry.schema, names)
     paused = await pause.active(conn, registry.schema, only)
     retrying = await retries.pending(conn, registry, now, RETRY_VIEW_WINDOW, only)
+    dynamic = [registry[n] for n in names if registry[n].dynamic]
+    counts = await schedules.stats(conn, registry.schema, dynamic) if dynamic else {}
     views = []
     for job in (registry[name] for name in names):
         current = nxt = None
@@ -344,7 +349,7 @@ async def jobs(
             JobView(
                 name=job.name,
                 description=job.description,
-                schedule=job.schedule.expr if job.schedule else None,
+                schedule=job.schedule.expr if job.schedule else "dynamic" if job.dynamic else None,
                 tz=job.tz,
                 timeout=job.timeout,
                 grace=job.grace,
@@ -362,9 +367,15 @@ async def jobs(
                 running=bool(running),
                 running_on=running[0] if running else None,
                 running_keys=running,
-                overdue=job.name not in paused and is_overdue(job, now, succeeded.get(job.name)),
+                overdue=job.name not in paused
+                and (
+                    counts[job.name]["late"] > 0
+                    if job.dynamic
+                    else is_overdue(job, now, succeeded.get(job.name))
+                ),
                 paused=paused.get(job.name),
                 retry=retries.view(retrying[job.name][0], job) if job.name in retrying else None,
+                schedules=counts.get(job.name),
             )
         )
     return JobsView(now=now, jobs=views)

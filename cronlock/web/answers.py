@@ -29,7 +29,8 @@ Endpoint = Callable[[Request], Coroutine[Any, Any, Response]]
 def invalid_input(exc: InvalidInput) -> JSONResponse:
     """A value the database refused (`db.translate`): 422 in the shape of every other
     invalid request, never a 503."""
-    problem = {"loc": list(exc.loc), "msg": exc.reason, "type": "refused_by_database"}
+    kind = getattr(exc, "kind", "refused_by_database")  # InvalidSchedule says its own
+    problem = {"loc": list(exc.loc), "msg": exc.reason, "type": kind}
     return error(422, "invalid request", detail=[problem])
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections.abc import Sequence
 from enum import Enum
 from typing import Literal
@@ -38,6 +39,8 @@ class Access(Enum):
 
 OPEN_PATHS = ("/healthz", "/readyz")
 READ_PATHS = ("/cron/jobs", "/cron/runs", "/cron/locks", "/openapi.json", "/docs", "/redoc")
+# A dynamic job's schedules, and one of them (cronlock/web/schedules.py): read with a GET.
+SCHEDULE_PATH = re.compile(r"^/cron/jobs/[^/]+/schedules(/[^/]+)?$")
 
 
 def required_access(method: str, path: str) -> Access:
@@ -49,7 +52,9 @@ def required_access(method: str, path: str) -> Access:
     if path == "/ui" or path.startswith("/ui/"):
         return Access.SESSION
     if method in ("GET", "HEAD") and (
-        path in READ_PATHS or path.startswith(("/cron/runs/", "/docs/"))
+        path in READ_PATHS
+        or path.startswith(("/cron/runs/", "/docs/"))
+        or SCHEDULE_PATH.match(path) is not None
     ):
         return Access.READ
     return Access.RUN

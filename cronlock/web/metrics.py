@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from cronlock.core import ledger, pause
+from cronlock.core import ledger, pause, schedules
 from cronlock.core.due import is_overdue
 from cronlock.core.jobs import Registry
 from cronlock.core.metrics import CONTENT_TYPE, Metrics
@@ -52,6 +52,12 @@ async def refresh(metrics: Metrics, db: Database, registry: Registry) -> None:
                 for j in registry.values()
                 if j.schedule is not None
             }
+            # Dynamic jobs: overdue while any key's run is late (core/schedules.py `stats`).
+            dynamic = [j for j in registry.values() if j.dynamic]
+            counts = await schedules.stats(conn, registry.schema, dynamic) if dynamic else {}
+            metrics.set_schedules(counts)
+            for j in dynamic:
+                overdue[j.name] = j.name not in paused and counts[j.name]["late"] > 0
             metrics.set_jobs(overdue, succeeded)
             metrics.set_paused(
                 {name: (now - p.at).total_seconds() for name, p in paused.items()}, registry

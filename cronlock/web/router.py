@@ -29,7 +29,7 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from cronlock.core.jobs import Registry
-from cronlock.web import api, control, routes
+from cronlock.web import api, control, routes, schedules
 from cronlock.web.answers import (
     CronRoute,
     Endpoint,
@@ -99,6 +99,9 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
     writers = [Depends(require(Access.RUN))]
     router.include_router(routes.router, dependencies=readers)
     router.include_router(control.router, dependencies=writers)
+    # Dynamic schedules (cronlock/web/schedules.py): reads with the read token, writes the secret.
+    router.include_router(schedules.reads, dependencies=readers)
+    router.include_router(schedules.writes, dependencies=writers)
     methods = api.trigger_methods(serving.settings)
     for job in registry.values():
         router.add_api_route(
