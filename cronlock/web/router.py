@@ -31,8 +31,10 @@ from cronlock.web import api, control, routes
 from cronlock.web.answers import (
     CronRoute,
     Endpoint,
+    JobTriggers,
     Refused,
     TriggerRoute,
+    Triggers,
     authorized,
     unauthorized,
 )
@@ -71,15 +73,27 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
         return check
 
     router = APIRouter(prefix=prefix, route_class=CronRoute, dependencies=[Depends(bind)])
+    methods = api.trigger_methods(serving.settings)
+    endpoints = {job.name: guarded(serving, api.trigger_handler(job)) for job in registry.values()}
+    # First: the path a storm takes. No read or write route is shadowed (a job's name is never
+    # one of theirs, RESERVED_NAMES, and has no '/').
+    router.add_api_route(
+        "/{name}",
+        Triggers(endpoints),
+        methods=methods,
+        name="triggers",
+        include_in_schema=False,
+        route_class_override=JobTriggers,
+    )
     readers = [Depends(require(Access.READ))]
     writers = [Depends(require(Access.RUN))]
     router.include_router(routes.router, dependencies=readers)
     router.include_router(control.router, dependencies=writers)
-    methods = api.trigger_methods(serving.settings)
     for job in registry.values():
+        # For the OpenAPI document (one operation per job) and url_path_for("trigger:<job>").
         router.add_api_route(
             f"/{job.name}",
-            guarded(serving, api.trigger_handler(job)),
+            endpoints[job.name],
             methods=methods,
             name=f"trigger:{job.name}",
             route_class_override=TriggerRoute,
