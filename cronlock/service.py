@@ -69,12 +69,14 @@ def build(cron: Cronlock) -> FastAPI:
         description="Scheduled jobs that run exactly once across instances.",
         lifespan=lifespan,
     )
+    # First of the app's own routes: a trigger storm's path then meets no other route's
+    # pattern on its way (the paths do not overlap: /cron, /ui, /healthz, /metrics).
+    app.include_router(cron.router)
     if settings.ui_enabled:
         # Before the Bearer check: the session check then sits inside it, and the dashboard's
         # paths are the session check's to decide.
         ui.install(app, cron.jobs, settings)
     app.include_router(api.health_router)
-    app.include_router(cron.router)
     app.add_api_route(
         "/metrics",
         metrics_endpoint(cron),
