@@ -221,8 +221,8 @@ class SessionCheck:
     """Before routing, as `BearerAuth` is: every /ui/ path but the login page and static files
     needs a live session (else a redirect to the login page, or 401 for anything but a page
     read). Adds the security headers to every /ui/ answer. Sits inside BearerAuth, which lets
-    /ui/ through to it (cronlock/web/auth.py, Access.SESSION), and inside TriggerDispatch, so
-    triggers never pass through it (cronlock/service.py)."""
+    /ui/ through to it (cronlock/web/auth.py, Access.SESSION); any other path (a trigger) it
+    passes on after one look at the path."""
 
     def __init__(self, app: ASGIApp, *, settings: Settings) -> None:
         self.app = app
