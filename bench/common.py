@@ -143,9 +143,17 @@ class PinnedInstance(Instance):
     """An app instance whose uvicorn runs under `taskset -c <cpus>` (taskset execs it, so the
     pid is uvicorn's)."""
 
-    def __init__(self, name: str, env: dict[str, str], *, cpus: str | None, dir: Path) -> None:
-        # The service plus bench/app.py's two baseline routes.
-        super().__init__(name, env, dir=dir, ready_path="/readyz", app_factory=BENCH_APP)
+    def __init__(
+        self,
+        name: str,
+        env: dict[str, str],
+        *,
+        cpus: str | None,
+        dir: Path,
+        app_factory: str = BENCH_APP,
+    ) -> None:
+        # By default the service plus bench/app.py's two baseline routes.
+        super().__init__(name, env, dir=dir, ready_path="/readyz", app_factory=app_factory)
         self.cpus = cpus
 
     def command(self) -> list[str]:

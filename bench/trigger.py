@@ -245,8 +245,10 @@ def verify(results: dict[str, list[Run]]) -> None:
                     f"the instance {total} skips"
                 )
             # A rotating route meets the in-process short-circuit only if one request stalls
-            # while a dozen others go by; more than a stray one: the figure is not the probe's.
-            if len(route.paths) > 1 and run.answers[route.reason] < 0.99 * total:
+            # while a dozen others go by: a stray few on a busy machine (1-2 % at a load
+            # average of 8 on two cores; the table shows the share); more, and the figure is
+            # not the probe's.
+            if len(route.paths) > 1 and run.answers[route.reason] < 0.97 * total:
                 raise RuntimeError(f"({route.key}): unexpected answers {dict(run.answers)}")
 
 

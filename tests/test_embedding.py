@@ -253,6 +253,12 @@ async def test_a_prefix_of_ones_own_and_a_lifespan_of_ones_own(
         paths = (await client.get(f"{host.url}/openapi.json")).json()["paths"]
         assert "/api/internal/jobs/hello" in paths
         assert "/api/internal/jobs/runs" in paths
+        # One operation per job; the one route that serves them all is not in the document.
+        assert "/api/internal/jobs/{name}" not in paths
+        assert app.url_path_for("trigger:boom") == "/api/internal/jobs/boom"
+        failed = await client.post(f"{host.url}/api/internal/jobs/boom", headers=AUTH)
+        assert failed.status_code == 500
+        assert failed.json()["job"] == "boom"
     assert not await cron.ready()
 
 

@@ -8,7 +8,7 @@ the host registered (and cronlock registers no handler that would change the hos
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Receive, Scope, Send
 
 from cronlock.errors import DatabaseUnavailable, InvalidInput
 from cronlock.web.auth import UNAUTHORIZED, Access, Tokens, bearer_token
@@ -102,7 +104,17 @@ class CronRoute(APIRoute):
 
 class TriggerRoute(CronRoute):
     """A trigger: its endpoint takes the request and does everything itself (auth, body,
-    query, the run); the route exists for matching and for the OpenAPI document."""
+    query, the run); the route exists for matching and for the OpenAPI document.
+
+    It is also served without FastAPI's request wrapping (`handle`): the dependencies' exit
+    stacks, the exception handlers' lookup and the route's body-limit layers are for
+    endpoints that use them, and this one answers every error itself and reads its body
+    under its own limit (`MAX_BODY_BYTES`). A trigger storm is thousands of these a minute,
+    most of them skips worth one database round trip (bench/embedded.py)."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, endpoint, **kwargs)
+        self.answered = self.get_route_handler()
 
     def get_route_handler(self) -> Endpoint:
         endpoint: Endpoint = self.endpoint
@@ -114,3 +126,41 @@ class TriggerRoute(CronRoute):
                 return answer_error(request, exc)
 
         return answered
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] not in (self.methods or ()):
+            # A method no route under the prefix takes: FastAPI's 405.
+            await super().handle(scope, receive, send)
+            return
+        response = await self.answered(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+
+class JobTriggers(TriggerRoute):
+    """Every job's trigger as one route, `<prefix>/{name}`, found with one regex and a lookup
+    in the jobs' endpoints (`endpoint.jobs`), where one route per job cost a regex each, and
+    twice per request: FastAPI walks an included router's routes once to choose the router
+    and again to handle the request. The per-job routes stay behind it for the OpenAPI
+    document and `url_path_for`; a trigger never reaches them."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        if not isinstance(endpoint, Triggers):
+            raise TypeError("JobTriggers serves a Triggers endpoint")
+        super().__init__(path, endpoint, **kwargs)
+        self.jobs = endpoint.jobs
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child_scope = super().matches(scope)
+        if match is not Match.NONE and child_scope["path_params"].get("name") not in self.jobs:
+            return Match.NONE, {}
+        return match, child_scope
+
+
+class Triggers:
+    """The endpoint of `JobTriggers`: the named job's own trigger endpoint."""
+
+    def __init__(self, jobs: Mapping[str, Endpoint]) -> None:
+        self.jobs = dict(jobs)
+
+    async def __call__(self, request: Request) -> Response:
+        return await self.jobs[request.path_params["name"]](request)

@@ -33,8 +33,10 @@ from cronlock.web import api, control, routes, schedules
 from cronlock.web.answers import (
     CronRoute,
     Endpoint,
+    JobTriggers,
     Refused,
     TriggerRoute,
+    Triggers,
     authorized,
     unauthorized,
 )
@@ -95,6 +97,18 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
     router = APIRouter(
         prefix=prefix, route_class=CronRoute, dependencies=[Depends(bind)], tags=["cron"]
     )
+    methods = api.trigger_methods(serving.settings)
+    endpoints = {job.name: guarded(serving, api.trigger_handler(job)) for job in registry.values()}
+    # First: the path a storm takes. No read or write route is shadowed (a job's name is never
+    # one of theirs, RESERVED_NAMES, and has no '/').
+    router.add_api_route(
+        "/{name}",
+        Triggers(endpoints),
+        methods=methods,
+        name="triggers",
+        include_in_schema=False,
+        route_class_override=JobTriggers,
+    )
     readers = [Depends(require(Access.READ))]
     writers = [Depends(require(Access.RUN))]
     router.include_router(routes.router, dependencies=readers)
@@ -102,11 +116,11 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
     # Dynamic schedules (cronlock/web/schedules.py): reads with the read token, writes the secret.
     router.include_router(schedules.reads, dependencies=readers)
     router.include_router(schedules.writes, dependencies=writers)
-    methods = api.trigger_methods(serving.settings)
     for job in registry.values():
+        # For the OpenAPI document (one operation per job) and url_path_for("trigger:<job>").
         router.add_api_route(
             f"/{job.name}",
-            guarded(serving, api.trigger_handler(job)),
+            endpoints[job.name],
             methods=methods,
             name=f"trigger:{job.name}",
             route_class_override=TriggerRoute,
