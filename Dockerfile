@@ -5,7 +5,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cronlock ./cronlock
 COPY app ./app
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# With both trigger schemes' libraries (TRIGGER_AUTH=oidc, qstash): the image is the service.
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[oidc,qstash]'
 
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 LOG_FORMAT=json

@@ -34,6 +34,11 @@ STANDBY_REASON = (
 )
 
 
+class KeysUnavailable(CronlockError):
+    """A trigger's token cannot be checked now: the keys to check it with (Google's, for
+    TRIGGER_AUTH=oidc) could not be fetched and none are kept. A 503 for that token only."""
+
+
 class ConfigurationError(CronlockError):
     """cronlock cannot start as configured; the message (one line) says what to change."""
 

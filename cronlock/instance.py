@@ -53,6 +53,7 @@ from cronlock.web.answers import Refused
 from cronlock.web.auth import Tokens
 from cronlock.web.deps import error
 from cronlock.web.metrics import MetricsApp, refresh
+from cronlock.web.schemes import TriggerAuth
 
 if TYPE_CHECKING:
     from cronlock.web.ui.dashboard import Dashboard
@@ -126,6 +127,8 @@ class Cronlock:
         # Every token (CRON_SECRET_FILE's too) read and checked once, here: the router, the
         # dashboard and the metrics all ask this one object (docs/operating.md, rotating).
         self.tokens = Tokens.from_settings(self._settings)
+        # How a trigger may authenticate (TRIGGER_AUTH), checked now, built once.
+        self.trigger_auth = TriggerAuth.from_settings(self._settings, self.tokens)
         self._settings.check_email()
         self._settings.check_retention()
         self.prefix = prefix

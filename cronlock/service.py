@@ -93,7 +93,13 @@ def build(cron: Cronlock) -> FastAPI:
         responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format"}},
     )
     api.install_handlers(app)
-    app.add_middleware(BearerAuth, tokens=cron.tokens, sessions=settings.ui_enabled)
+    app.add_middleware(
+        BearerAuth,
+        tokens=cron.tokens,
+        sessions=settings.ui_enabled,
+        triggers=cron.trigger_auth,
+        prefix=cron.prefix + "/",
+    )
     return app
 
 

@@ -85,6 +85,24 @@ class Settings(BaseSettings):
     # A token that can read (jobs, runs, locks) but never run anything.
     cron_read_token: SecretStr | None = None
     metrics_token: SecretStr | None = None
+    # How a trigger (`POST /cron/<job>`) may authenticate, a comma list tried in order, the
+    # first that accepts wins: `bearer` (CRON_SECRET), `oidc` (a Google-signed ID token: Cloud
+    # Scheduler), `qstash` (Upstash's signed deliveries). Reads and writes take the secret only.
+    trigger_auth: str = "bearer"
+    # oidc: where Google publishes its keys (PEM by kid, or a JWK set), read with this timeout
+    # and kept as long as the answer's max-age says; the `aud` a token must carry (default: the
+    # trigger's URL as the scheduler called it); the service accounts allowed, a comma list.
+    oidc_certs_url: str = "https://www.googleapis.com/oauth2/v1/certs"
+    oidc_fetch_timeout: float = Field(default=5.0, gt=0)
+    oidc_audience: str | None = None
+    oidc_allowed_emails: str = ""
+    # Whose X-Forwarded-Proto and X-Forwarded-Host make the URL a token's audience (oidc) or a
+    # signature's subject (qstash) is checked against: addresses or networks, a comma list,
+    # `*` for any (the variable uvicorn reads for the same headers).
+    forwarded_allow_ips: str = "127.0.0.1"
+    # qstash: the signing keys from Upstash's console; the next one too, for rotation.
+    qstash_current_signing_key: SecretStr | None = None
+    qstash_next_signing_key: SecretStr | None = None
 
     # --- jobs -----------------------------------------------------------------------------
     cron_jobs: str = "cronlock.demo.digest,cronlock.housekeeping"
@@ -240,6 +258,8 @@ class Settings(BaseSettings):
         "cron_read_token",
         "metrics_token",
         "alert_webhook_secret",
+        "qstash_current_signing_key",
+        "qstash_next_signing_key",
     )
     @classmethod
     def _blank_is_unset(cls, v: SecretStr | None) -> SecretStr | None:
@@ -248,6 +268,39 @@ class Settings(BaseSettings):
         if v is not None and not is_token(v.get_secret_value()):
             raise ValueError(TOKEN_RULE)
         return v
+
+    @field_validator("trigger_auth")
+    @classmethod
+    def _trigger_auth(cls, v: str) -> str:
+        schemes = [s.strip().lower() for s in v.split(",") if s.strip()]
+        unknown = [s for s in schemes if s not in TRIGGER_SCHEMES]
+        if unknown or not schemes or len(set(schemes)) != len(schemes):
+            raise ValueError(f"a comma list of distinct schemes among {', '.join(TRIGGER_SCHEMES)}")
+        return ",".join(schemes)
+
+    @property
+    def trigger_schemes(self) -> list[str]:
+        return self.trigger_auth.split(",")
+
+    @property
+    def oidc_emails(self) -> frozenset[str]:
+        return frozenset(
+            e.strip().lower() for e in self.oidc_allowed_emails.split(",") if e.strip()
+        )
+
+    def check_trigger_auth(self) -> None:
+        """Fail closed: a scheme that is on must be able to tell a caller apart."""
+        schemes = self.trigger_schemes
+        if "oidc" in schemes and not self.oidc_emails:
+            raise SettingsError(
+                "TRIGGER_AUTH has oidc: set OIDC_ALLOWED_EMAILS to the service accounts "
+                "allowed to trigger (any Google account can get a Google-signed token)"
+            )
+        if "qstash" in schemes and self.qstash_current_signing_key is None:
+            raise SettingsError(
+                "TRIGGER_AUTH has qstash: set QSTASH_CURRENT_SIGNING_KEY (and "
+                "QSTASH_NEXT_SIGNING_KEY) from Upstash's console"
+            )
 
     @property
     def job_modules(self) -> list[str]:
@@ -311,6 +364,8 @@ class Settings(BaseSettings):
     def listen_url(self) -> str | None:
         return self.database_direct_url or self.database_url
 
+
+TRIGGER_SCHEMES = ("bearer", "oidc", "qstash")
 
 # A token goes into an HTTP header (`Authorization: Bearer ...`), which carries ASCII only.
 TOKEN_RULE = "must be printable ASCII (letters, digits, punctuation)"  # noqa: S105

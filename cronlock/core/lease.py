@@ -101,12 +101,14 @@ FOR UPDATE NOWAIT
 BEGIN_SQL = """
 INSERT INTO {schema}.runs
     (job, key, slot, trigger, source, instance, started_at, params, attempt, retry_of,
-     lease_token, lease_seconds, lease_expires_at, deadline_at, checkpoint)
+     lease_token, lease_seconds, lease_expires_at, deadline_at, checkpoint, message_id)
 SELECT $1, $2, $3, $4, $5, $6, now(), $7,
        coalesce(prev.attempt + 1, 1), prev.id,
        nextval('{schema}.lease_tokens'), $8, now() + make_interval(secs => $8),
        coalesce(CASE WHEN $11 THEN prev.deadline_at END, now() + make_interval(secs => $9)),
-       prev.checkpoint
+       prev.checkpoint,
+       -- A takeover carries the run's message id (migration 0015) on to its next attempt.
+       CASE WHEN $11 THEN prev.message_id ELSE $12 END
 FROM (SELECT 1) AS one
 LEFT JOIN {schema}.runs AS prev ON prev.id = $10
 RETURNING id, attempt, retry_of, lease_token, lease_expires_at, deadline_at, checkpoint,
@@ -312,6 +314,7 @@ async def begin(
     run_timeout: float,
     previous: int | None,
     same_run: bool,
+    message_id: str | None = None,
 ) -> Begun:
     """Write a new attempt holding a fresh lease, in the caller's (advisory-locked)
     transaction. `previous`: the attempt it continues (checkpoint); `same_run`: a takeover,
@@ -329,6 +332,7 @@ async def begin(
         run_timeout,
         previous,
         same_run,
+        message_id,
     )
     assert row is not None
     return Begun(

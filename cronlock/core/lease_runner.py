@@ -123,7 +123,19 @@ class RunnerParts(Protocol):
         trigger: Trigger,
         source: str,
         key: str | None = None,
+        *,
+        run_id: int | None = None,
     ) -> Outcome: ...
+
+    async def message_done(
+        self,
+        conn: Conn,
+        job: Job,
+        key: str | None,
+        trigger: Trigger,
+        source: str,
+        message_id: str | None,
+    ) -> Outcome | None: ...
 
     def log_outcome(self, outcome: Outcome, source: str) -> None: ...
 
@@ -151,6 +163,7 @@ class LeaseRunner:
         takeover_only: bool = False,
         retry_of: ledger.Run | None = None,
         first_attempt: bool = False,
+        message_id: str | None = None,
     ) -> Outcome | None:
         """Decide under the (job, key)'s lock, then start the run in the background.
 
@@ -181,6 +194,12 @@ class LeaseRunner:
                     if not row["locked"]:
                         return None if takeover_only else self._skip(job, trigger, source, key)
                     now: datetime = row["db_now"]
+                    if not takeover_only:
+                        done = await runner.message_done(
+                            conn, job, key, trigger, source, message_id
+                        )
+                        if done is not None:
+                            return done
                     found = await lease.current(conn, schema, job.name, key)
                     if found is not None and found.live:
                         return None if takeover_only else self._skip(job, trigger, source, key)
@@ -225,6 +244,7 @@ class LeaseRunner:
                             run_timeout=job.timeout,
                             previous=previous,
                             same_run=False,
+                            message_id=message_id,
                         )
                     left = (begun.deadline_at - now).total_seconds()
         except DRIVER_ERRORS as exc:

@@ -81,8 +81,9 @@ async def already_done(
 
 START_SQL = """
 INSERT INTO {schema}.runs
-    (job, slot, trigger, source, instance, backend_pid, started_at, params, key, attempt, retry_of)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+    (job, slot, trigger, source, instance, backend_pid, started_at, params, key, attempt, retry_of,
+     message_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
 RETURNING id
 """
 
@@ -102,6 +103,7 @@ async def start(
     key: str | None = None,
     attempt: int = 1,
     retry_of: int | None = None,
+    message_id: str | None = None,
 ) -> int:
     """Record a run as `running`, committed at once (outside the lock transaction), so that a
     run in progress can be followed, and a run whose instance died is visible afterwards."""
@@ -118,9 +120,27 @@ async def start(
         key,
         attempt,
         retry_of,
+        message_id,
     )
     assert isinstance(run_id, int)
     return run_id
+
+
+# Migration 0015: a signed delivery's message id (QStash's `Upstash-Message-Id`) is kept with
+# the run it started.
+MESSAGE_DONE_SQL = """
+SELECT id FROM {schema}.runs
+WHERE message_id = $1 AND status = 'succeeded'
+ORDER BY id
+LIMIT 1
+"""
+
+
+async def message_done(conn: Conn, schema: str, message_id: str) -> int | None:
+    """The run that a delivery with this message id made succeed, if any: a redelivery of it
+    is done (the runner asks under the job's lock, so a run still committing is waited out)."""
+    run_id = await conn.fetchval(qualify(MESSAGE_DONE_SQL, schema), message_id)
+    return run_id if isinstance(run_id, int) else None
 
 
 SUCCEED_SQL = """

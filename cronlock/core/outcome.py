@@ -57,6 +57,8 @@ def answer(outcome: Outcome) -> tuple[int, dict[str, Any]]:
             body["key"] = outcome.key
         if outcome.slot is not None:
             body["slot"] = iso(outcome.slot)
+        if outcome.run_id is not None:  # a redelivered message's run (Runner.message_done)
+            body["run_id"] = outcome.run_id
         return 200, body
     if outcome.kind == "accepted":
         accepted = {**ids, "slot": iso(outcome.slot)}

@@ -121,12 +121,15 @@ class Runner:
         retry_of: ledger.Run | None = None,
         first_attempt: bool = False,
         planned: schedules.Planned | None = None,
+        message_id: str | None = None,
     ) -> Outcome:
         """Run `job` if it is not running anywhere and its slot is not done yet. `planned`: a
         dynamic schedule's run, claimed by the dispatcher (cronlock/core/schedules.py). `retry_of`:
         this run is the next attempt at that failed one, for its slot (cronlock/core/retries.py).
         `first_attempt` (the built-in scheduler, catch-up): only if no attempt at the slot
-        exists, checked under the lock; a failed one is the retries' business."""
+        exists, checked under the lock; a failed one is the retries' business. `message_id`: a
+        signed delivery's (QStash's), recorded with the run; once a run of it succeeded, the
+        message is "already done" (that run's id), whatever the job and its slot."""
         trigger: Trigger = "manual" if force else "backfill" if slot is not None else "scheduled"
         if slot is not None:
             self._check_backfill_slot(job, slot, force)
@@ -139,7 +142,8 @@ class Runner:
         self.local[local] = None
         handed_off = False
         try:
-            if trigger == "scheduled" and self.probe_keys:
+            # A delivery with a message id goes to the lock: its "already done" names a run.
+            if trigger == "scheduled" and self.probe_keys and message_id is None:
                 skipped = await self._probe(job, key, source)
                 if skipped is not None:
                     return skipped
@@ -153,13 +157,23 @@ class Runner:
                     source,
                     retry_of=retry_of,
                     first_attempt=first_attempt,
+                    message_id=message_id,
                 )
                 assert started is not None
                 # An accepted run is the lease runner's now: it clears `local` at its end.
                 handed_off = started.kind == "accepted"
                 return started
             lease_or_skip = await self._acquire(
-                job, key, trigger, slot, params, source, retry_of, first_attempt, planned
+                job,
+                key,
+                trigger,
+                slot,
+                params,
+                source,
+                retry_of,
+                first_attempt,
+                planned,
+                message_id,
             )
             if isinstance(lease_or_skip, Outcome):
                 return lease_or_skip
@@ -274,6 +288,7 @@ class Runner:
         retry_of: ledger.Run | None = None,
         first_attempt: bool = False,
         planned: schedules.Planned | None = None,
+        message_id: str | None = None,
     ) -> _Lease | Outcome:
         await self.db.ensure_ready()
         try:
@@ -307,6 +322,9 @@ class Runner:
                 if not row["locked"]:
                     return self.skip(job, "already running", None, trigger, source, key)
                 now: datetime = row["db_now"]
+                done = await self.message_done(conn, job, key, trigger, source, message_id)
+                if done is not None:
+                    return done
                 # Under the lock: another instance may have made this retry already.
                 if retry_of is not None and await ledger.retried(
                     conn, self.settings.db_schema, retry_of.id
@@ -341,6 +359,7 @@ class Runner:
                     key=key,
                     attempt=retry_of.attempt + 1 if retry_of is not None else 1,
                     retry_of=retry_of.id if retry_of is not None else None,
+                    message_id=message_id,
                 )
             ctx = JobContext(
                 conn=conn,
@@ -367,6 +386,25 @@ class Runner:
                     await self._close(conn, tx)
                 finally:
                     self.lock_slots.release()
+
+    async def message_done(
+        self,
+        conn: Conn,
+        job: Job,
+        key: str | None,
+        trigger: Trigger,
+        source: str,
+        message_id: str | None,
+    ) -> Outcome | None:
+        """Under the job's lock: "already done", naming the run, when a run of this delivery's
+        message succeeded (a redelivery); None to go on (no message id, or no success yet: a
+        redelivery after a failed run is a retry, and runs)."""
+        if message_id is None:
+            return None
+        run_id = await ledger.message_done(conn, self.settings.db_schema, message_id)
+        if run_id is None:
+            return None
+        return self.skip(job, "already done", None, trigger, source, key, run_id=run_id)
 
     async def decide_slot(
         self,
@@ -628,8 +666,12 @@ class Runner:
         trigger: Trigger,
         source: str,
         key: str | None = None,
+        *,
+        run_id: int | None = None,
     ) -> Outcome:
-        outcome = Outcome(job.name, "skipped", slot=slot, reason=reason, trigger=trigger, key=key)
+        outcome = Outcome(
+            job.name, "skipped", run_id, slot=slot, reason=reason, trigger=trigger, key=key
+        )
         self.log_outcome(outcome, source)
         return outcome
 

@@ -53,12 +53,13 @@ class Refused(Exception):
         self.response = response
 
 
-def unauthorized() -> Response:
+def unauthorized(challenge: str = "Bearer") -> Response:
+    """401; a trigger's names every scheme TRIGGER_AUTH accepts (`TriggerAuth.challenge`)."""
     return Response(
         UNAUTHORIZED,
         status_code=401,
         media_type="application/json",
-        headers={"WWW-Authenticate": "Bearer"},
+        headers={"WWW-Authenticate": challenge},
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -51,6 +52,20 @@ def outcome_response(outcome: Outcome) -> JSONResponse:
 NO_QUERY = TriggerQuery()
 
 
+@dataclass(frozen=True)
+class Authenticated:
+    """What the trigger's auth found (cronlock/web/router.py `guarded`): the scheme, as the
+    run's source; the body when a signature over it was checked (the handler uses these very
+    bytes, never a second read); a signed delivery's message id."""
+
+    source: str = "http"
+    body: bytes | None = None
+    message_id: str | None = None
+
+
+UNSIGNED = Authenticated()
+
+
 def trigger_handler(job: Job) -> Callable[[Request], Coroutine[Any, Any, Response]]:
     async def trigger(request: Request) -> Response:
         # Read and validate everything by hand, in the contract's order (413 before 422),
@@ -58,10 +73,14 @@ def trigger_handler(job: Job) -> Callable[[Request], Coroutine[Any, Any, Respons
         # solving it costs more than a skip's own work in the handler.
         runner: Runner = request.state.runner
         settings: Settings = request.state.settings
-        try:
-            body = await read_body(request, settings.max_body_bytes)
-        except RequestTooLarge:
-            return error(413, "request body too large", limit=settings.max_body_bytes)
+        auth: Authenticated = request.scope["state"].get("trigger", UNSIGNED)
+        if auth.body is not None:
+            body = auth.body
+        else:
+            try:
+                body = await read_body(request, settings.max_body_bytes)
+            except RequestTooLarge:
+                return error(413, "request body too large", limit=settings.max_body_bytes)
         try:
             query = (
                 TriggerQuery.model_validate(dict(request.query_params))
@@ -74,7 +93,13 @@ def trigger_handler(job: Job) -> Callable[[Request], Coroutine[Any, Any, Respons
         try:
             params = parse_params(job, body)
             outcome = await runner.trigger(
-                job, force=query.force, slot=query.slot, params=params, wait=query.wait
+                job,
+                force=query.force,
+                slot=query.slot,
+                params=params,
+                wait=query.wait,
+                source=auth.source,
+                message_id=auth.message_id,
             )
         except InvalidTrigger as exc:
             return error(422, "invalid trigger", detail=exc.args[0])
@@ -162,7 +187,7 @@ def trigger_route_options(job: Job) -> dict[str, Any]:
                 "content": {"application/json": {"schema": ACCEPTED_SCHEMA}},
                 "links": {"GetRun": routes.RUN_LINK},
             },
-            401: {"description": "missing or wrong secret"},
+            401: {"description": "missing or wrong credential (TRIGGER_AUTH)"},
             413: {"description": "body too large"},
             422: {"description": "bad parameters"},
             500: {

@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Sequence
 from enum import Enum
-from typing import Literal
+from typing import Literal, Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -152,11 +152,33 @@ class Tokens:
         return f"Tokens({counts})"
 
 
+class Others(Protocol):
+    """The trigger schemes besides the Bearer secret (cronlock/web/schemes.py `TriggerAuth`)."""
+
+    challenge: str
+
+    def offers_other(self, headers: Sequence[tuple[bytes, bytes]]) -> bool: ...
+
+
 class BearerAuth:
-    def __init__(self, app: ASGIApp, *, tokens: Tokens, sessions: bool = False) -> None:
+    """The standalone service's check before routing. A trigger (`/cron/...`, needing RUN)
+    carrying another TRIGGER_AUTH scheme's credential goes on to its route, which checks every
+    scheme itself (as it does in a host app) and refuses what is not a trigger."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        tokens: Tokens,
+        sessions: bool = False,
+        triggers: Others | None = None,
+        prefix: str = "/cron/",
+    ) -> None:
         self.app = app
         self.sessions = sessions
         self.tokens = tokens
+        self.triggers = triggers
+        self.prefix = prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -167,7 +189,8 @@ class BearerAuth:
         if scope["type"] != "http":  # lifespan
             await self.app(scope, receive, send)
             return
-        access = required_access(scope["method"], route_path(scope))
+        path = route_path(scope)
+        access = required_access(scope["method"], path)
         if access is Access.SESSION:
             access = Access.OPEN if self.sessions else Access.RUN
         if access is not Access.OPEN:
@@ -178,12 +201,19 @@ class BearerAuth:
                     break
             token = bearer_token(header)
             if token is None or not self.tokens.accepts(access, token):
+                triggers = self.triggers
+                if access is Access.RUN and triggers is not None and path.startswith(self.prefix):
+                    if triggers.offers_other(scope["headers"]):
+                        await self.app(scope, receive, send)
+                        return
+                    await _unauthorized(send, triggers.challenge)
+                    return
                 await _unauthorized(send)
                 return
         await self.app(scope, receive, send)
 
 
-async def _unauthorized(send: Send) -> None:
+async def _unauthorized(send: Send, challenge: str = "Bearer") -> None:
     await send(
         {
             "type": "http.response.start",
@@ -191,7 +221,7 @@ async def _unauthorized(send: Send) -> None:
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(UNAUTHORIZED)).encode()),
-                (b"www-authenticate", b"Bearer"),
+                (b"www-authenticate", challenge.encode()),
             ],
         }
     )

@@ -12,6 +12,7 @@ from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.settings import Settings
 from cronlock.web.auth import Tokens
+from cronlock.web.schemes import TriggerAuth
 
 RETRY_AFTER_SECONDS = "5"
 
@@ -25,6 +26,9 @@ class Serving(Protocol):
 
     @property
     def tokens(self) -> Tokens: ...
+
+    @property
+    def trigger_auth(self) -> TriggerAuth: ...
 
     def bind(self, request: Request) -> None: ...
 

@@ -19,6 +19,7 @@ them a minute, mostly skips worth one database round trip (bench/trigger.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from cronlock.core.jobs import Registry
+from cronlock.errors import KeysUnavailable
 from cronlock.web import api, control, routes, schedules
 from cronlock.web.answers import (
     CronRoute,
@@ -41,9 +43,13 @@ from cronlock.web.answers import (
     unauthorized,
 )
 from cronlock.web.auth import Access
+from cronlock.web.deps import RequestTooLarge, error, read_body
+from cronlock.web.schemes import TriggerAuth
 
 if TYPE_CHECKING:
     from cronlock.web.deps import Serving
+
+log = logging.getLogger("cronlock.auth")
 
 # Where under the prefix the dashboard goes (`<prefix>/ui`): the catch-all leaves it alone.
 DASHBOARD = "ui"
@@ -65,12 +71,31 @@ class CatchAllRoute(TriggerRoute):
 
 
 def guarded(serving: Serving, handler: Endpoint) -> Endpoint:
-    """A trigger's endpoint: the secret first, then the run."""
+    """A trigger's endpoint: TRIGGER_AUTH's schemes first (cronlock/web/schemes.py), then the
+    run, which records the scheme that accepted as its source."""
+    auth: TriggerAuth = serving.trigger_auth
 
     async def trigger(request: Request) -> Response:
-        if not authorized(request, serving.tokens, Access.RUN):
-            return unauthorized()
+        body: bytes | None = None
+        if auth.wants_body and any(k == b"upstash-signature" for k, _ in request.scope["headers"]):
+            # A signature covers the exact body: read here, once (the handler gets these
+            # bytes), within MAX_BODY_BYTES. Too large to check is unchecked: a 401, which says
+            # nothing of the job to a caller without a credential.
+            try:
+                body = await read_body(request, serving.settings.max_body_bytes)
+            except RequestTooLarge:
+                log.warning("%s: a signed trigger's body is over MAX_BODY_BYTES", request.url.path)
+                return unauthorized(auth.challenge)
+        try:
+            accepted = await auth.check(request.scope, body)
+        except KeysUnavailable as exc:
+            return error(503, "cannot check the token now", reason=str(exc))
+        if accepted is None:
+            return unauthorized(auth.challenge)
         serving.bind(request)
+        request.scope["state"]["trigger"] = api.Authenticated(
+            accepted.source, body, accepted.message_id
+        )
         return await handler(request)
 
     return trigger
@@ -137,7 +162,10 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
             Access.READ if method in ("GET", "HEAD") and api.is_read_route(name) else Access.RUN
         )
         if not authorized(request, serving.tokens, needed):
-            return unauthorized()
+            # A trigger's challenge whether the job exists or not: it tells nothing either way.
+            return unauthorized(
+                serving.trigger_auth.challenge if needed is Access.RUN else "Bearer"
+            )
         return api.not_a_job(name, registry, serving.settings)
 
     router.add_api_route(
