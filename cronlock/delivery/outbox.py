@@ -975,7 +975,9 @@ WHERE id IN (
 
 
 # Finished batches go once none of their rows is left (a dead row keeps its batch, so `outbox
-# dead` can still say which batch it was in).
+# dead` can still say which batch it was in). No foreign key guards this (migration 0012): a
+# row joins a batch only in the transaction that makes the batch, never a finished one, so a
+# batch this finds without rows keeps none.
 PRUNE_BATCHES_SQL = """
 DELETE FROM {schema}.email_batch
 WHERE id IN (

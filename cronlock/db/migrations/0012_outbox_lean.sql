@@ -1,7 +1,8 @@
 -- A leaner outbox (issue 28): the same rows, keys and guarantees, with two fewer index
--- entries per email. Nothing is copied or rewritten: every pending, sent and dead row keeps
--- its columns and its idempotency key. What an email costs, and why each remaining index
--- exists: docs/outbox.md ("What one email costs").
+-- entries per email and no foreign-key trigger. Nothing is copied or rewritten (one index
+-- build reads the table, holding off writes to it meanwhile): every pending, sent and dead
+-- row keeps its columns and its idempotency key. What an email costs, and why each remaining
+-- index exists: docs/outbox.md ("What one email costs").
 --
 -- 1. One index of due rows, not two. email_outbox_due (next_attempt_at) WHERE pending held
 --    every pending row a second time next to email_outbox_due_unbatched (0004), which the
@@ -20,3 +21,11 @@ DROP INDEX {schema}.email_outbox_due;
 CREATE UNIQUE INDEX email_outbox_key ON {schema}.email_outbox (idempotency_key)
     WHERE user_id IS NULL OR slot IS NULL;
 ALTER TABLE {schema}.email_outbox DROP CONSTRAINT email_outbox_idempotency_key_key;
+
+-- 3. No foreign key from a row to its batch (0004's email_outbox_batch_id_fkey). Its trigger
+--    ran for every row inserted, batch or not (a digest's 900,000 inserts queued 900,000
+--    checks of a NULL), and every member written into a batch looked the batch up again and
+--    locked it. What it guarded holds by construction: a row joins a batch only in the
+--    transaction that creates the batch (outbox.form_batches), and a batch is deleted only
+--    once no row names it (PRUNE_BATCHES_SQL's NOT EXISTS, on email_outbox_batch).
+ALTER TABLE {schema}.email_outbox DROP CONSTRAINT email_outbox_batch_id_fkey;
