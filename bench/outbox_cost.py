@@ -117,6 +117,7 @@ queued AS (
     FROM due CROSS JOIN per_slot
     RETURNING user_id
 )"""
+# Both assembled from the constants above only (S608).
 FLOOR_DIGEST_SQL = f"""
 WITH {FLOOR_SLOT_SQL}, due AS (
     UPDATE cronlock_demo.users SET last_digest_at = greatest(now(), $1::timestamptz)
@@ -124,7 +125,7 @@ WITH {FLOOR_SLOT_SQL}, due AS (
     RETURNING id, email
 ), {FLOOR_QUEUED_SQL}
 SELECT count(*) FROM queued
-"""
+"""  # noqa: S608
 FLOOR_CHUNK_SQL = f"""
 WITH {FLOOR_SLOT_SQL}, chunk AS (
     SELECT id FROM cronlock_demo.users
@@ -136,7 +137,7 @@ WITH {FLOOR_SLOT_SQL}, chunk AS (
     RETURNING u.id, u.email
 ), {FLOOR_QUEUED_SQL}
 SELECT count(*) AS queued, max(user_id) AS last_id FROM queued
-"""
+"""  # noqa: S608
 
 FLOOR_FORM_SELECT = """
 SELECT id, "to", subject, body FROM lean.outbox
@@ -295,9 +296,7 @@ async def deliver_service(conn: asyncpg.Connection, limit: int) -> int:
         if not batches:
             break
         for b in batches:
-            marks = tuple(
-                outbox.Mark("sent", message_id=f"msg-{b.id}-{i}") for i in range(b.size)
-            )
+            marks = tuple(outbox.Mark("sent", message_id=f"msg-{b.id}-{i}") for i in range(b.size))
             marked = await outbox.mark_batch(
                 conn,
                 b,
@@ -306,7 +305,8 @@ async def deliver_service(conn: asyncpg.Connection, limit: int) -> int:
                 max_attempts=5,
                 retry_window=82800,
             )
-            assert marked is not None and marked.status == "done"
+            assert marked is not None
+            assert marked.status == "done"
             delivered += b.size
     await outbox.prune_sent(conn, 0, schema=SCHEMA)
     return delivered
@@ -340,9 +340,7 @@ async def deliver_floor(conn: asyncpg.Connection, limit: int) -> int:
             )
             ids = {r["key"]: r["id"] for r in inserted}
             members = [(i, ids[p[0]]) for p in planned for i in p[2]]
-            await conn.execute(
-                FLOOR_FORM_MEMBERS, [m[0] for m in members], [m[1] for m in members]
-            )
+            await conn.execute(FLOOR_FORM_MEMBERS, [m[0] for m in members], [m[1] for m in members])
         for key, _, member_ids in planned:
             await conn.execute(
                 FLOOR_MARK,
@@ -545,8 +543,10 @@ def report(
     )
     return {
         "machine": machine(version),
-        "runs": [vars(r) | {k: vars(getattr(r, k)) for k in ("digest", "chunk", "delivery")}
-                 for r in runs],
+        "runs": [
+            vars(r) | {k: vars(getattr(r, k)) for k in ("digest", "chunk", "delivery")}
+            for r in runs
+        ],
         "ratios": ratios,
     }
 
