@@ -168,6 +168,17 @@ async def test_enqueue_keys_survive_a_rerun_of_the_slot(db: asyncpg.Connection) 
     # A keyed job's runs for two keys may each mail the same user in one slot.
     for run_key in ("acme", "globex"):
         assert await outbox.enqueue(db, schema="cronlock", **{**email, "user_id": 7}, key=run_key)
+    # One identity to two users is two emails under two keys (the user is among the facts),
+    # and the same again for one of them is a no-op.
+    welcome = [
+        await outbox.enqueue(db, schema="cronlock", **{**email, "user_id": u}, identity="welcome")
+        for u in (8, 9, 8)
+    ]
+    assert welcome[0] is not None
+    assert welcome[1] is not None
+    assert welcome[0] != welcome[1]
+    assert welcome[2] is None
+    assert welcome[0] == outbox.stable_key("cronlock", "invoices", None, slot, "welcome", 8)
     # Without a slot nothing names the email: a random key each time.
     first = await outbox.enqueue(db, schema="cronlock", **{**email, "slot": None}, identity="x")
     second = await outbox.enqueue(db, schema="cronlock", **{**email, "slot": None}, identity="x")

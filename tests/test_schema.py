@@ -29,6 +29,7 @@ from cronlock.db.schema import (
     migration_sets,
     notify_channel,
 )
+from cronlock.delivery import outbox
 from cronlock.settings import Settings
 from cronlock.sql import check_name, qualify
 from tests.support import TEST_SECRET
@@ -734,3 +735,176 @@ async def test_a_schema_the_role_may_not_read_is_a_reason_not_a_crash(
         await fresh.execute(f"DROP ROLE {role}")
     assert problem == "database error: database error 42501"
     assert not database.migrated
+
+
+# --- the outbox's lean upgrade (0012) ----------------------------------------------------------
+
+OUTBOX_TABLES = ("cronlock.email_outbox", "cronlock.email_batch")
+
+
+def migrations_through(version: int) -> list[MigrationSet]:
+    """cronlock's migrations up to `version` (a release's), and the demo's."""
+    return [
+        MigrationSet(s.module, tuple(m for m in s.migrations if m.version <= version))
+        if s.module == "cronlock"
+        else s
+        for s in migration_sets(["cronlock.demo.digest"])
+    ]
+
+
+async def every_row(conn: asyncpg.Connection, table: str) -> list[str]:
+    rows = await conn.fetch(f"SELECT t::text AS row FROM {table} AS t ORDER BY id")
+    return [r["row"] for r in rows]
+
+
+async def build_0011_outbox(conn: asyncpg.Connection) -> dict[str, str]:
+    """A database of the release before 0012 with emails in every state, made by the
+    outbox's own functions; returns {state: idempotency key} for some of them."""
+    await migrate(conn, "cronlock", migrations_through(11))
+    slot = await conn.fetchval("SELECT date_trunc('day', now())")
+    epoch = int(slot.timestamp())
+    await conn.execute(
+        """INSERT INTO cronlock.email_outbox (idempotency_key, job, slot, user_id, sender,
+                                              recipient, subject, body)
+           SELECT 'daily-digest:' || $1::text || ':' || g, 'daily-digest', $2, g, 's',
+                  'u' || g || '@example.com', 'subject', 'body ' || g
+           FROM generate_series(1, 12) AS g""",
+        str(epoch),
+        slot,
+    )
+    # A named email of a keyed run (stable key, no user) and a manual run's (random key).
+    named = await outbox.enqueue(
+        conn, schema="cronlock", job="invoices", slot=slot, user_id=None, key="acme",
+        identity="invoice:1", recipient="a@example.com", subject="s", body="b", sender="s",
+    )  # fmt: skip
+    manual = await outbox.enqueue(
+        conn, schema="cronlock", job="manual", slot=None, user_id=None,
+        recipient="m@example.com", subject="s", body="b", sender="s",
+    )  # fmt: skip
+    assert named is not None
+    assert manual is not None
+    common: dict[str, Any] = {"schema": "cronlock", "max_attempts": 5, "retry_window": 82800.0}
+    # Batches: one answered (a member sent, one refused: dead), one dead whole, one in flight.
+    done, dead, flying = await outbox.form_batches(
+        conn, schema="cronlock", batches=3, size=2, lease=60
+    )
+    sent, refused = outbox.Mark("sent", message_id="m-1"), outbox.Mark("dead", error="bad")
+    assert await outbox.mark_batch(
+        conn, done, outbox.BatchMark("done", members=(sent, refused)), **common
+    )
+    assert await outbox.mark_batch(conn, dead, outbox.BatchMark("dead", error="gone"), **common)
+    # Single sends: one sent, one to retry, one dead; the rest stay pending, never attempted.
+    claim = await outbox.claim(conn, schema="cronlock", limit=3, lease=60)
+    marks = [
+        outbox.Mark("sent", message_id="m-2"),
+        outbox.Mark("retry", delay=5, error="503"),
+        outbox.Mark("dead", error="422"),
+    ]
+    written = await outbox.mark(
+        conn, claim.token, [(r.id, m) for r, m in zip(claim.rows, marks, strict=True)], **common
+    )
+    assert sorted(written.values()) == ["dead", "pending", "sent"]
+    statuses = await conn.fetch(
+        "SELECT status, batch_id IS NOT NULL AS batched, count(*) FROM cronlock.email_outbox"
+        " GROUP BY 1, 2 ORDER BY 1, 2"
+    )
+    assert [tuple(r) for r in statuses] == [
+        ("dead", False, 1), ("dead", True, 3), ("pending", False, 6), ("pending", True, 2),
+        ("sent", False, 1), ("sent", True, 1),
+    ]  # fmt: skip
+    assert flying.size == 2
+    return {"named": named, "manual": manual, "dead_batch": dead.key}
+
+
+async def test_the_lean_outbox_upgrade_keeps_every_row_and_key(
+    fresh: asyncpg.Connection, db: asyncpg.Connection
+) -> None:
+    """0012 on a database of the previous release with emails in every state (pending, in a
+    batch in flight, retried, sent alone and in a batch, dead alone and with its batch): every
+    row and key is kept, the tables take a new install's shape, and the rows then go on as
+    before: a dead batch re-opens under its key, duplicates are still refused, prune works."""
+    keys = await build_0011_outbox(fresh)
+    before = {t: await every_row(fresh, t) for t in OUTBOX_TABLES}
+    applied = await migrate(fresh, "cronlock", migrations_through(12))
+    assert applied == ["cronlock 0012_outbox_lean"]
+    for table in OUTBOX_TABLES:
+        assert await every_row(fresh, table) == before[table], table
+    indexes = await fresh.fetch(
+        "SELECT indexname FROM pg_indexes WHERE tablename = 'email_outbox' ORDER BY 1"
+    )
+    assert [r["indexname"] for r in indexes] == [
+        "email_outbox_batch", "email_outbox_dead", "email_outbox_due_alone",
+        "email_outbox_due_unbatched", "email_outbox_key", "email_outbox_once_per_key_slot",
+        "email_outbox_pkey", "email_outbox_sent",
+    ]  # fmt: skip
+    # Then whatever came later: the shape of a new install.
+    await migrate(fresh, "cronlock", migration_sets(["cronlock.demo.digest"]))
+    for table in OUTBOX_TABLES:
+        assert await shape(fresh, table) == await shape(db, table), table
+
+    # A dead batch comes back whole, under the key it had before the upgrade.
+    dead = await outbox.dead_rows(fresh, schema="cronlock")
+    in_batch = [d for d in dead if d.batch_key == keys["dead_batch"]]
+    assert len(in_batch) == 2
+    requeued = await outbox.requeue(fresh, [in_batch[0].id], schema="cronlock")
+    assert {(r.previous_key, r.idempotency_key, r.new_key) for r in requeued} == {
+        (d.idempotency_key, d.idempotency_key, False) for d in in_batch
+    }
+    batch_status = await fresh.fetchval(
+        "SELECT status FROM cronlock.email_batch WHERE idempotency_key = $1", keys["dead_batch"]
+    )
+    assert batch_status == "pending"
+    # Duplicates are refused as before: a named email again is a no-op, a digest row again
+    # an error, a random key again an error.
+    slot = await fresh.fetchval("SELECT date_trunc('day', now())")
+    again = await outbox.enqueue(
+        fresh, schema="cronlock", job="invoices", slot=slot, user_id=None, key="acme",
+        identity="invoice:1", recipient="a@example.com", subject="s", body="b", sender="s",
+    )  # fmt: skip
+    assert again is None
+    with pytest.raises(asyncpg.UniqueViolationError):
+        await fresh.execute(
+            "INSERT INTO cronlock.email_outbox (job, slot, user_id, sender, recipient, subject,"
+            " body) VALUES ('daily-digest', $1, 3, 's', 'r', 's', 'b')",
+            slot,
+        )
+    with pytest.raises(asyncpg.UniqueViolationError):
+        await fresh.execute(
+            "INSERT INTO cronlock.email_outbox (idempotency_key, job, sender, recipient,"
+            " subject, body) VALUES ($1, 'manual', 's', 'r', 's', 'b')",
+            keys["manual"],
+        )
+    # Everything still pending is delivered under the keys it had.
+    await fresh.execute(
+        "UPDATE cronlock.email_outbox SET next_attempt_at = now()"
+        " WHERE status = 'pending' AND batch_id IS NULL"
+    )
+    pending_keys = {
+        r["idempotency_key"]
+        for r in await fresh.fetch(
+            "SELECT idempotency_key FROM cronlock.email_outbox"
+            " WHERE status = 'pending' AND batch_id IS NULL"
+        )
+    }
+    claim = await outbox.claim(fresh, schema="cronlock", limit=100, lease=60)
+    assert {r.email.idempotency_key for r in claim.rows} == pending_keys
+    assert {keys["named"], keys["manual"]} <= pending_keys
+    await outbox.mark(
+        fresh,
+        claim.token,
+        [(r.id, outbox.Mark("sent", message_id="m")) for r in claim.rows],
+        schema="cronlock",
+        max_attempts=5,
+        retry_window=82800.0,
+    )
+    await fresh.execute("UPDATE cronlock.email_outbox SET sent_at = sent_at - interval '2 days'")
+    await fresh.execute(
+        "UPDATE cronlock.email_batch SET finished_at = finished_at - interval '2 days'"
+    )
+    pruned = await outbox.prune_sent(fresh, 1, schema="cronlock")
+    assert pruned == len(pending_keys) + 2
+    # The answered batch keeps its refused member, so it stays; nothing names a missing batch.
+    assert not await fresh.fetchval(
+        "SELECT count(*) FROM cronlock.email_outbox AS o WHERE o.batch_id IS NOT NULL"
+        " AND NOT EXISTS (SELECT 1 FROM cronlock.email_batch AS b WHERE b.id = o.batch_id)"
+    )

@@ -91,7 +91,9 @@ Conn = db.Conn
 # of the same (job, key, slot, user), or of the same idempotency key, a no-op instead of an
 # error that would abort the caller's transaction. Only with both slot and user set does the
 # first apply: NULLs are distinct in a unique index, so a job without a schedule (no slot)
-# gets one row per call, as its runs are not once per anything.
+# gets one row per call, as its runs are not once per anything. The second is checked by
+# email_outbox_key for emails without a user or a slot only (migration 0012): an email with
+# both has a key derived from its (job, key, slot, user), which the first already makes unique.
 ENQUEUE_SQL = """
 WITH queued AS (
     INSERT INTO {schema}.email_outbox (idempotency_key, job, key, slot, user_id, sender,
@@ -104,13 +106,25 @@ SELECT idempotency_key, pg_notify($10, '') FROM queued
 """
 
 
-def stable_key(schema: str, job: str, key: str | None, slot: datetime, identity: str) -> str:
-    """The idempotency key of the email `identity` of a job's run for `slot` (and `key`): the
-    same whenever that slot runs again, on this database or on the standby promoted after a
-    failover that lost the first run's commit, so a provider that honours keys delivers it
-    once. Readable job and slot, then a digest of everything (bounded length, no separator
-    ambiguity whatever the key and identity hold)."""
-    facts = json.dumps([schema, job, key, slot.isoformat(), identity])
+def stable_key(
+    schema: str,
+    job: str,
+    key: str | None,
+    slot: datetime,
+    identity: str,
+    user_id: int | None = None,
+) -> str:
+    """The idempotency key of the email `identity` of a job's run for `slot` (and `key`), to
+    `user_id` when the caller named the email itself: the same whenever that slot runs again,
+    on this database or on the standby promoted after a failover that lost the first run's
+    commit, so a provider that honours keys delivers it once. Readable job and slot, then a
+    digest of everything (bounded length, no separator ambiguity whatever the key and identity
+    hold). With the user among the facts, a key of an email with a user and a slot is unique
+    wherever its (job, key, slot, user) is, which the once-per index guarantees."""
+    facts_list: list[object] = [schema, job, key, slot.isoformat(), identity]
+    if user_id is not None:
+        facts_list.append(user_id)
+    facts = json.dumps(facts_list)
     digest = hashlib.sha256(facts.encode()).hexdigest()[:32]
     return f"{job}:{int(slot.timestamp())}:{digest}"
 
@@ -139,18 +153,22 @@ async def enqueue(
     Returns its idempotency key, frozen in the row with the payload (None: the same email was
     queued already, and this call changed nothing).
 
-    With a slot, the key is derived from (job, key, slot, identity): `identity` names the email
-    among the run's (the caller's choice: "invoice:42", "welcome"), the user id when not given.
-    A re-run of the same slot (after a failover lost the first commit, say) then sends the same
-    key. Without a slot (a job with no schedule, a manual run) or without an identity, nothing
-    stable names the email: the database mints a random key, and an email whose first commit
-    a failover lost goes out under a new one (docs/guarantees.md). Two emails of one run with
-    the same identity are one email: the second enqueue is a no-op.
+    With a slot, the key is derived from (job, key, slot, identity, user): `identity` names the
+    email among the run's emails to its user (the caller's choice: "invoice:42", "welcome"),
+    `user:<id>` when not given. A re-run of the same slot (after a failover lost the first
+    commit, say) then sends the same key. Without a slot (a job with no schedule, a manual run)
+    or without an identity, nothing stable names the email: the database mints a random key,
+    and an email whose first commit a failover lost goes out under a new one
+    (docs/guarantees.md). Two emails of one run with the same identity and user are one email:
+    the second enqueue is a no-op.
     """
+    named_user = None
     if identity is None and user_id is not None:
         identity = f"user:{user_id}"
+    elif user_id is not None:
+        named_user = user_id  # "welcome" of two users is two emails, with two keys
     idempotency_key = (
-        stable_key(schema, job, key, slot, identity)
+        stable_key(schema, job, key, slot, identity, named_user)
         if slot is not None and identity is not None
         else None
     )
@@ -961,7 +979,9 @@ WHERE id IN (
 
 
 # Finished batches go once none of their rows is left (a dead row keeps its batch, so `outbox
-# dead` can still say which batch it was in).
+# dead` can still say which batch it was in). No foreign key guards this (migration 0012): a
+# row joins a batch only in the transaction that makes the batch, never a finished one, so a
+# batch this finds without rows keeps none.
 PRUNE_BATCHES_SQL = """
 DELETE FROM {schema}.email_batch
 WHERE id IN (

@@ -19,9 +19,10 @@ CRONLOCK_MIGRATIONS = "migrations"
 #
 # A plain INSERT, not ON CONFLICT DO NOTHING (which costs a speculative insertion per row,
 # about 15 % of the statement): the due filter and the job's lock already keep a second row
-# for a (job, slot, user) out, and the unique indexes (on it, and on the idempotency key made
-# from it) stay the last guard. A state that would break them (`last_digest_at` moved back by
-# hand) fails the run, loudly and with nothing sent, rather than skipping users in silence.
+# for a (job, slot, user) out, and the unique index on it stays the last guard (the key,
+# `<job>:<epoch>:<user>`, is derived from it, so it is unique too and needs no index of its
+# own: migration 0012). A state that would break it (`last_digest_at` moved back by hand)
+# fails the run, loudly and with nothing sent, rather than skipping users in silence.
 # The parts of the statement the chunked digest (cronlock/demo/chunked.py) shares: the per-slot
 # constants, and the queueing of the `due` users' emails.
 PER_SLOT_SQL = """
