@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 from cronlock.errors import ConfigurationError
@@ -286,36 +288,64 @@ def _links(traceparents: Sequence[str | None]) -> list[Any]:
     return links
 
 
+@contextlib.contextmanager
+def from_env() -> Iterator[None]:
+    """The standalone service's (and `outbox drain`'s) own tracer provider for as long as it
+    runs, when OTEL_TRACES_EXPORTER asks for one (`sdk_from_env`); flushed at the end for at
+    most FLUSH_TIMEOUT seconds, so an exporter that hangs cannot hold the stop up."""
+    provider = sdk_from_env()
+    try:
+        yield
+    finally:
+        if provider is not None:
+            _shut_down(provider, FLUSH_TIMEOUT)
+
+
+FLUSH_TIMEOUT = 5.0
+
+
+def _shut_down(provider: SDKTracerProvider, timeout: float) -> None:
+    # In a daemon thread: the SDK's own shutdown waits up to 30 s for a worker stuck in export.
+    thread = threading.Thread(target=provider.shutdown, name="cronlock-otel-shutdown", daemon=True)
+    thread.start()
+    thread.join(timeout)
+
+
 def sdk_from_env() -> SDKTracerProvider | None:
-    """The standalone service's own provider, when OTEL_TRACES_EXPORTER names an exporter
-    (`console`, `otlp` once opentelemetry-exporter-otlp is installed, ...) and no provider is
-    set yet: the SDK's batch processor around it, the resource from OTEL_SERVICE_NAME and
-    OTEL_RESOURCE_ATTRIBUTES (service name `cronlock` by default). Set as the global provider,
-    so that a job module's own instrumentation uses it too."""
-    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
-    names = [n for n in names if n != "none"]
+    """A provider of the SDK, set as the global one, when OTEL_TRACES_EXPORTER names exporters
+    (`console`, `otlp` once opentelemetry-exporter-otlp is installed, ...) and none is set
+    yet: the SDK's batch processor around each, the resource from OTEL_SERVICE_NAME and
+    OTEL_RESOURCE_ATTRIBUTES (service name `cronlock` by default). Global, so that a job
+    module's own instrumentation (asyncpg, SQLAlchemy, httpx) exports through it too."""
+    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")]
+    names = [n for n in names if n and n != "none"]
     if not names or global_provider() is not None:
         return None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
-    from importlib.metadata import entry_points
-
-    from opentelemetry import trace
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider as SDKTracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider as SDKTracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as exc:
+        raise ConfigurationError(
+            "OTEL_TRACES_EXPORTER is set but OpenTelemetry's SDK is not installed: "
+            "pip install 'cronlock[otel]'"
+        ) from exc
+    found = {e.name: e for e in entry_points(group="opentelemetry_traces_exporter")}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ConfigurationError(
+            f"OTEL_TRACES_EXPORTER: no exporter named {', '.join(missing)} is installed "
+            f"(installed: {', '.join(sorted(found)) or 'none'})"
+        )
     resource = Resource.create(
         {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: "cronlock"}
     )
-    provider = SDKTracerProvider(resource=resource)
-    found = {e.name: e for e in entry_points(group="opentelemetry_traces_exporter")}
+    provider = SDKTracerProvider(resource=resource, shutdown_on_exit=False)
     for name in names:
-        if name not in found:
-            raise ConfigurationError(
-                f"OTEL_TRACES_EXPORTER: no exporter named {name!r} is installed "
-                f"(installed: {', '.join(sorted(found)) or 'none'})"
-            )
         provider.add_span_processor(BatchSpanProcessor(found[name].load()()))
     trace.set_tracer_provider(provider)
+    log.info("tracing: exporting spans with %s", ", ".join(names))
     return provider
