@@ -114,10 +114,8 @@ class Tracing:
         self.tracer: Tracer | None = (
             provider.get_tracer(TRACER_NAME, __version__) if provider is not None else None
         )
-
-    @property
-    def on(self) -> bool:
-        return self.tracer is not None
+        # An attribute, not a property: read on every trigger.
+        self.on = self.tracer is not None
 
     @classmethod
     def detect(cls, settings: Settings, provider: TracerProvider | None = None) -> Tracing:

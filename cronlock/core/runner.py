@@ -128,6 +128,10 @@ class Runner:
         this run is the next attempt at that failed one, for its slot (cronlock/core/retries.py).
         `first_attempt` (the built-in scheduler, catch-up): only if no attempt at the slot
         exists, checked under the lock; a failed one is the retries' business."""
+        if not self.tracing.on:  # the hot path of skips: not even a no-op span
+            return await self._trigger(
+                job, force, slot, params, wait, source, retry_of, first_attempt
+            )
         # The trigger's span is current throughout: the run's span (started once the lock is
         # won) is its child, in this task or in the one that runs on in the background.
         with self.tracing.trigger(job.name, source) as span:
