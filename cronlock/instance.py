@@ -46,6 +46,7 @@ from cronlock.db.pool import Database
 from cronlock.delivery import alerts, sender
 from cronlock.errors import JobDefinitionError, install_excepthook
 from cronlock.settings import Settings, SettingsError
+from cronlock.tracing import Tracing
 from cronlock.version import __version__
 from cronlock.web import router as cron_router
 from cronlock.web import ui
@@ -103,12 +104,15 @@ class Cronlock:
         prefix: str = "/cron",
         engine: Any = None,
         session_class: Any = None,
+        tracer_provider: Any = None,
     ) -> None:
         """`settings`: None reads the environment (and .env) as the service does. `jobs`:
         modules whose `@job`s to serve, besides those declared with `@cron.job` (CRON_JOBS,
         when set, adds its modules too). `housekeeping`: serve cronlock's own `ledger-prune`.
         `prefix`: where `router` puts its routes. `engine`, `session_class`: your SQLAlchemy
-        AsyncEngine to take connections from, and the class of `ctx.session` (docs/orm.md)."""
+        AsyncEngine to take connections from, and the class of `ctx.session` (docs/orm.md).
+        `tracer_provider`: an OpenTelemetry tracer provider to trace with instead of the
+        global one (docs/tracing.md)."""
         install_excepthook()
         if settings is None:
             try:
@@ -134,6 +138,7 @@ class Cronlock:
         self.prefix = prefix
         self.engine = engine
         self.session_class = session_class
+        self.tracer_provider = tracer_provider
         if session_class is not None:
             require_sqlalchemy("Cronlock(session_class=...)")
         if engine is not None:
@@ -301,7 +306,15 @@ class Cronlock:
         registry = self.jobs
         db = Database(s, engine=self.engine)
         await db.open()
-        runner = Runner(s, registry, db, metrics=self.counters, session_class=self.session_class)
+        runner = Runner(
+            s,
+            registry,
+            db,
+            metrics=self.counters,
+            session_class=self.session_class,
+            # Decided now, at start: a provider the host app sets before its lifespan counts.
+            tracing=Tracing.detect(s, self.tracer_provider),
+        )
         started = _Started(db, runner, asyncio.Event())
         self._running[where] = self
         self._started = started
@@ -342,7 +355,9 @@ class Cronlock:
         if any(job.lease is not None for job in registry.values()):
             loops.append(self._task(runner.leases.watch(stop), "lease-watch"))
         if s.outbox_enabled:
-            loops.append(self._task(_deliver(started.db, s, stop), "outbox"))
+            loops.append(
+                self._task(_deliver(started.db, s, stop, started.runner.tracing), "outbox")
+            )
         if self._metrics is not None:
             loops.append(self._task(self._refresh_metrics(started), "metrics"))
         return loops
@@ -382,12 +397,12 @@ def one_line(exc: ValidationError) -> str:
     return "invalid settings: " + "; ".join(problems)
 
 
-async def _deliver(db: Database, settings: Settings, stop: asyncio.Event) -> None:
+async def _deliver(db: Database, settings: Settings, stop: asyncio.Event, tracing: Tracing) -> None:
     """The outbox delivery loop of this instance; it waits for the database like everything
     else and never takes the service down with it."""
     while not stop.is_set():
         try:
-            await sender.run_in_app(db.pool, settings, stop)
+            await sender.run_in_app(db.pool, settings, stop, tracing)
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cronlock import logs
+from cronlock import logs, tracing
 from cronlock.core.metrics import CONTENT_TYPE
 from cronlock.errors import ConfigurationError
 from cronlock.instance import Cronlock
@@ -55,15 +55,18 @@ def build(cron: Cronlock) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        async with cron.running():
-            # What exists now (the app, its routes and models, imported modules) lives as long
-            # as the process: kept out of the collector's full passes, which otherwise walk all
-            # of it and stall every request in flight for tens of milliseconds
-            # (bench/trigger.py's p99). A library leaves that choice to its host.
-            gc.collect()
-            gc.freeze()
-            # The health checks and the dashboard read these from the request's state.
-            yield cron.state()
+        # OTEL_TRACES_EXPORTER: the service's own tracer provider, before cron decides (a
+        # host app brings its own instead: docs/tracing.md).
+        with tracing.from_env():
+            async with cron.running():
+                # What exists now (the app, its routes and models, imported modules) lives as long
+                # as the process: kept out of the collector's full passes, which otherwise walk all
+                # of it and stall every request in flight for tens of milliseconds
+                # (bench/trigger.py's p99). A library leaves that choice to its host.
+                gc.collect()
+                gc.freeze()
+                # The health checks and the dashboard read these from the request's state.
+                yield cron.state()
 
     settings = cron.settings
     app = FastAPI(

@@ -156,6 +156,9 @@ class Settings(BaseSettings):
     log_skips: bool = True
     log_format: Literal["auto", "json", "text"] = "auto"
     log_level: str = "INFO"
+    # OpenTelemetry spans (docs/tracing.md): auto traces with the process's tracer provider
+    # when one is set (a host app's, or the service's own from OTEL_TRACES_EXPORTER), off never.
+    tracing: Literal["auto", "off"] = "auto"
 
     # --- alerts (cronlock/delivery/alerts.py) ----------------------------------------------
     # A webhook for every job without its own `webhook_url=`: failed, timed_out, overdue,

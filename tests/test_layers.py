@@ -24,8 +24,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cronlock"
 # placed here.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     # What every layer uses: our exceptions, input checks, schema names and SQL text, the
-    # settings, the log format, the version.
-    ("base", frozenset({"errors", "inputs", "sql", "settings", "logs", "version"})),
+    # settings, the log format, the version, the tracing spans.
+    ("base", frozenset({"errors", "inputs", "sql", "settings", "logs", "version", "tracing"})),
     # The pool (PgBouncer-safe), following the primary, lock keys, the schema's migrations.
     ("db", frozenset({"db"})),
     # One run, start to end: schedules, jobs, the runner, ledger, leases, pause, cancel,

@@ -50,6 +50,7 @@ from cronlock.errors import (
 )
 from cronlock.settings import Settings
 from cronlock.sql import qualify
+from cronlock.tracing import step_span
 
 if TYPE_CHECKING:
     from cronlock.core.jobs import JobContext
@@ -489,6 +490,15 @@ class Fence:
             raise LeaseLost(self.lost)
         if self.in_step:
             raise RuntimeError("steps do not nest: finish one before starting the next")
+        # The step's span (a no-op unless the run is traced) is current within the step: the
+        # job's own statements in it nest under it.
+        with step_span(self.job, self.run_id, self.steps + 1) as span:
+            span.set(lease_token=self.token)
+            async with self._step(ctx) as conn:
+                yield conn
+
+    @contextlib.asynccontextmanager
+    async def _step(self, ctx: JobContext) -> AsyncIterator[Conn]:
         self.in_step = True
         committed = False
         conn: asyncpg.pool.PoolConnectionProxy | None = None

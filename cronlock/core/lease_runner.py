@@ -12,6 +12,9 @@ The watcher (`watch`) runs on every instance that serves lease jobs: every LEASE
 it takes over the runs whose lease ran out (their holder died, froze or shut down), through
 the same decision under the same lock, so a trigger and the watchers of several instances
 never take one run over twice.
+
+Long on purpose: the start, the takeover and the settling of a lease run share one decision
+under one lock and one set of attempt rules; split, each would restate the others' invariants.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pydantic import ValidationError
 
 from cronlock.core import lease, ledger
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, steps_only
-from cronlock.core.outcome import Kind, Outcome
+from cronlock.core.outcome import Kind, Outcome, annotate
 from cronlock.db.lock import lock_text, try_lock
 from cronlock.db.orm import Sessions
 from cronlock.db.pool import Conn, Database, deadline
@@ -45,6 +48,7 @@ from cronlock.errors import (
     translate,
 )
 from cronlock.settings import Settings
+from cronlock.tracing import Tracing
 
 if TYPE_CHECKING:
     from cronlock.core.metrics import Metrics
@@ -89,6 +93,8 @@ class RunnerParts(Protocol):
     local: dict[tuple[str, str | None], int | None]
     # How a run's `ctx.session` is made (cronlock/db/orm.py).
     sessions: Sessions
+    # The runs' spans (cronlock/tracing.py).
+    tracing: Tracing
 
     async def decide_slot(
         self,
@@ -400,7 +406,24 @@ class LeaseRunner:
         return holding
 
     async def _run(self, h: Holding) -> Outcome:
-        """Run the job under its lease and settle the ledger, whatever happens."""
+        """Run the job under its lease and settle the ledger, whatever happens, in the run's
+        span (a child of the trigger's, whose context this task copied): its steps' spans and
+        the job's own nest under it."""
+        ctx = h.ctx
+        with self.runner.tracing.run(
+            h.job.name,
+            ctx.run_id,
+            attempt=ctx.attempt,
+            slot=ctx.slot,
+            key=ctx.key,
+            trigger=ctx.trigger,
+        ) as span:
+            span.set(lease_token=h.fence.token, source=h.source)
+            outcome = await self._settle(h)
+            annotate(span, outcome)
+            return outcome
+
+    async def _settle(self, h: Holding) -> Outcome:
         job, fence, ctx = h.job, h.fence, h.ctx
         task: asyncio.Task[Any] = asyncio.create_task(
             job.func(ctx), name=f"job:{job.name}:{ctx.run_id}"

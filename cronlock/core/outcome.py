@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from cronlock.core.jobs import Trigger
 from cronlock.core.ledger import iso
+from cronlock.tracing import Span
 
 # "lease_lost": a lease run's attempt on this instance that stopped because its lease was no
 # longer its own (another instance took the run over); only ever logged and counted, since a
@@ -32,6 +33,29 @@ class Outcome:
     # A failed run whose connection broke during its COMMIT: whether the commit landed is not
     # known here (the run's ledger row tells: `ledger.finish` leaves a succeeded row alone).
     commit_unknown: bool = False
+
+
+# What a span's status calls an error: the kinds answered with a 5xx.
+ERROR_KINDS = frozenset({"failed", "timed_out", "cancelled", "lease_lost"})
+
+
+def annotate(span: Span, outcome: Outcome) -> None:
+    """What a trigger's or a run's span says of its outcome (cronlock/tracing.py)."""
+    if not span.recording:
+        return
+    skipped = outcome.kind == "skipped"
+    span.set(
+        outcome=outcome.kind,
+        key=outcome.key,
+        slot=outcome.slot,
+        trigger=outcome.trigger,
+        run_id=outcome.run_id,
+        skip_reason=outcome.reason if skipped else None,
+        reason=None if skipped else outcome.reason,
+        duration_ms=outcome.duration_ms,
+    )
+    if outcome.kind in ERROR_KINDS:
+        span.fail(outcome.reason or outcome.kind)
 
 
 def answer(outcome: Outcome) -> tuple[int, dict[str, Any]]:

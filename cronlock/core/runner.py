@@ -26,7 +26,7 @@ import asyncpg
 from cronlock.core import cancel, ledger, pause, schedules
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, call
 from cronlock.core.lease_runner import LeaseRunner
-from cronlock.core.outcome import Kind, Outcome
+from cronlock.core.outcome import Kind, Outcome, annotate
 from cronlock.db.lock import LockKey, lock_text, probe, reset_session, try_lock, verify_keys
 from cronlock.db.orm import SessionFactory, Sessions
 from cronlock.db.pool import Conn, Database, deadline, terminate
@@ -41,6 +41,7 @@ from cronlock.errors import (
     translate,
 )
 from cronlock.settings import Settings
+from cronlock.tracing import Tracing
 
 if TYPE_CHECKING:
     from cronlock.core.metrics import Metrics
@@ -60,6 +61,7 @@ class _Lease:
     conn: asyncpg.pool.PoolConnectionProxy
     tx: asyncpg.transaction.Transaction
     ctx: JobContext
+    attempt: int = 1  # at the slot (retries), for the run's span
     started: float = field(default_factory=time.monotonic)
     # A dynamic schedule's run: its recording transaction advances the row (core/schedules.py).
     planned: schedules.Planned | None = None
@@ -81,8 +83,11 @@ class Runner:
         metrics: Metrics | None = None,
         *,
         session_class: SessionFactory | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
+        # Spans (cronlock/tracing.py): decided once here; OFF costs a shared no-op per trigger.
+        self.tracing = tracing if tracing is not None else Tracing.detect(settings)
         self.registry = registry
         self.db = db
         self.metrics = metrics
@@ -130,6 +135,32 @@ class Runner:
         exists, checked under the lock; a failed one is the retries' business. `message_id`: a
         signed delivery's (QStash's), recorded with the run; once a run of it succeeded, the
         message is "already done" (that run's id), whatever the job and its slot."""
+        if not self.tracing.on:  # the hot path of skips: not even a no-op span
+            return await self._trigger(
+                job, force, slot, params, wait, source, retry_of, first_attempt, planned, message_id
+            )
+        # The trigger's span is current throughout: the run's span (started once the lock is
+        # won) is its child, in this task or in the one that runs on in the background.
+        with self.tracing.trigger(job.name, source) as span:
+            outcome = await self._trigger(
+                job, force, slot, params, wait, source, retry_of, first_attempt, planned, message_id
+            )
+            annotate(span, outcome)
+            return outcome
+
+    async def _trigger(
+        self,
+        job: Job,
+        force: bool,
+        slot: datetime | None,
+        params: Any,
+        wait: bool,
+        source: str,
+        retry_of: ledger.Run | None,
+        first_attempt: bool,
+        planned: schedules.Planned | None,
+        message_id: str | None,
+    ) -> Outcome:
         trigger: Trigger = "manual" if force else "backfill" if slot is not None else "scheduled"
         if slot is not None:
             self._check_backfill_slot(job, slot, force)
@@ -375,7 +406,8 @@ class Runner:
                 sessions=self.sessions,
             )
             handed_over = True
-            return _Lease(job, conn, tx, ctx, planned=planned)
+            attempt = retry_of.attempt + 1 if retry_of is not None else 1
+            return _Lease(job, conn, tx, ctx, attempt, planned=planned)
         except DRIVER_ERRORS as exc:
             # The run's ledger row carries the request's params (and slot): a value the
             # database refuses there is the client's 422.
@@ -471,7 +503,22 @@ class Runner:
         return None, slot
 
     async def _finish(self, lease: _Lease, source: str) -> Outcome:
-        """Run the job under its lease and settle the ledger, whatever happens."""
+        """Run the job under its lease and settle the ledger, whatever happens, in the run's
+        span: current while the job runs, so that the job's own spans nest under it."""
+        ctx = lease.ctx
+        with self.tracing.run(
+            ctx.job.name,
+            ctx.run_id,
+            attempt=lease.attempt,
+            slot=ctx.slot,
+            key=ctx.key,
+            trigger=ctx.trigger,
+        ) as span:
+            outcome = await self._settle(lease, source)
+            annotate(span, outcome)
+            return outcome
+
+    async def _settle(self, lease: _Lease, source: str) -> Outcome:
         job, conn, ctx = lease.job, lease.conn, lease.ctx
         try:
             task: asyncio.Task[Any] = asyncio.create_task(

@@ -54,6 +54,7 @@ from cronlock.delivery.mailer import (
 from cronlock.errors import CONNECTION_ERRORS, DatabaseUnavailable
 from cronlock.settings import Settings
 from cronlock.sql import qualify
+from cronlock.tracing import traceparent
 
 log = logging.getLogger("cronlock.outbox")
 
@@ -97,8 +98,8 @@ Conn = db.Conn
 ENQUEUE_SQL = """
 WITH queued AS (
     INSERT INTO {schema}.email_outbox (idempotency_key, job, key, slot, user_id, sender,
-                                       recipient, subject, body)
-    VALUES (coalesce($1, gen_random_uuid()::text), $2, $3, $4, $5, $6, $7, $8, $9)
+                                       recipient, subject, body, traceparent)
+    VALUES (coalesce($1, gen_random_uuid()::text), $2, $3, $4, $5, $6, $7, $8, $9, $11)
     ON CONFLICT DO NOTHING
     RETURNING idempotency_key
 )
@@ -184,6 +185,8 @@ async def enqueue(
         subject,
         body,
         notify_channel(schema),
+        # The queueing run's span (None unless it is traced), for the send's link.
+        traceparent(),
     )
     return queued
 
@@ -210,7 +213,8 @@ SET claim_token = $2,
 FROM due
 WHERE o.id = due.id
 RETURNING o.id, o.idempotency_key, o.sender, o.recipient, o.subject, o.body, o.attempts,
-          o.created_at, extract(epoch FROM now() - o.key_created_at)::float8 AS key_age
+          o.created_at, extract(epoch FROM now() - o.key_created_at)::float8 AS key_age,
+          o.traceparent
 """
 CLAIM_SQL = _CLAIM_SQL.replace("{alone}", "")
 # A batch sender's single claims: the rows it must not form into batches (FORM_SELECT_SQL takes
@@ -269,6 +273,7 @@ class Row:
     email: Email
     attempts: int  # including this claim
     key_age: float  # seconds, by the database's clock at claim
+    traceparent: str | None = None  # the queueing run's span, when it was traced
 
 
 @dataclass(slots=True)
@@ -312,6 +317,7 @@ async def claim(
             ),
             attempts=r["attempts"],
             key_age=r["key_age"],
+            traceparent=r["traceparent"],
         )
         for r in records
     ]
@@ -469,7 +475,7 @@ async def return_tokens(conn: Conn, count: int, *, schema: str, rate: float) -> 
 # delivered again under the batch key. A re-queued row has attempts reset but keeps its last
 # error, so it is sent alone too (its batch, when re-opened, carries it instead).
 FORM_SELECT_SQL = """
-SELECT id, job, slot, idempotency_key, sender, recipient, subject, body, created_at
+SELECT id, job, slot, idempotency_key, sender, recipient, subject, body, created_at, traceparent
 FROM {schema}.email_outbox
 WHERE status = 'pending' AND batch_id IS NULL AND next_attempt_at <= now()
   AND attempts = 0 AND last_error IS NULL
@@ -522,7 +528,9 @@ SET claim_token = $2,
 FROM due
 WHERE b.id = due.id
 RETURNING b.id, b.idempotency_key, b.body, b.size, b.attempts,
-          extract(epoch FROM now() - b.key_created_at)::float8 AS key_age
+          extract(epoch FROM now() - b.key_created_at)::float8 AS key_age,
+          ARRAY(SELECT DISTINCT o.traceparent FROM {schema}.email_outbox AS o
+                WHERE o.batch_id = b.id AND o.traceparent IS NOT NULL) AS queued_by
 """
 
 # The batch's outcome and its members' in one statement, only while the claim is ours. A
@@ -600,6 +608,7 @@ class Batch:
     key_age: float  # seconds, by the database's clock at claim
     token: uuid.UUID
     deadline: float  # local, conservative end of the lease (see Claim)
+    queued_by: tuple[str, ...] = ()  # the traced runs that queued its members (traceparents)
 
 
 def batch_key(member_keys: Sequence[str]) -> str:
@@ -614,6 +623,7 @@ class _Planned:
     key: str
     body: bytes
     ids: list[int]
+    queued_by: tuple[str, ...] = ()
 
 
 def plan_batches(records: Sequence[Any], size: int) -> list[_Planned]:
@@ -643,6 +653,7 @@ def plan_batches(records: Sequence[Any], size: int) -> list[_Planned]:
                     key=batch_key([e.idempotency_key for e in emails]),
                     body=batch_bytes(emails),
                     ids=[r["id"] for r in chunk],
+                    queued_by=tuple({r["traceparent"] for r in chunk if r["traceparent"]}),
                 )
             )
     return planned
@@ -677,7 +688,7 @@ async def form_batches(
             [m[2] for m in members],
         )
     return [
-        Batch(ids[p.key], p.key, p.body, len(p.ids), 1, 0.0, token, started + lease)
+        Batch(ids[p.key], p.key, p.body, len(p.ids), 1, 0.0, token, started + lease, p.queued_by)
         for p in planned
     ]
 
@@ -697,6 +708,7 @@ async def claim_batches(conn: Conn, *, schema: str, limit: int, lease: float) ->
             r["key_age"],
             token,
             started + lease,
+            tuple(r["queued_by"]),
         )
         for r in records
     ]

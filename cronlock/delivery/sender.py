@@ -66,6 +66,7 @@ from cronlock.delivery.outbox import (
 )
 from cronlock.errors import DATABASE_ERRORS, DatabaseUnavailable, describe
 from cronlock.settings import Settings
+from cronlock.tracing import Span, Tracing, from_env
 
 log = logging.getLogger("cronlock.outbox")
 
@@ -103,8 +104,11 @@ class Sender:
         *,
         prune_interval: float = PRUNE_INTERVAL,
         rng: random.Random | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.pool = pool
+        # Provider requests as client spans (cronlock/tracing.py), linked to the queueing runs.
+        self.tracing = tracing if tracing is not None else Tracing.detect(settings)
         self.settings = settings
         self.mailer = mailer
         self.instance = instance_name or settings.instance_name
@@ -319,13 +323,17 @@ class Sender:
         reason = self._past_its_end(row.key_age, row.attempts, "the key")
         if reason is not None:
             return Mark("dead", error=reason)
-        try:
-            result = await self.mailer.send(row.email)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bug in a backend must not stop delivery of other rows
-            log.exception("mailer failed on outbox row %s", row.id)
-            result = SendResult.retry(error_text(f"mailer error: {type(exc).__name__}: {exc}"))
+        with self.tracing.send(
+            "email send", (row.traceparent,), email_id=row.id, attempt=row.attempts
+        ) as span:
+            try:
+                result = await self.mailer.send(row.email)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug in a backend must not stop delivery of other rows
+                log.exception("mailer failed on outbox row %s", row.id)
+                result = SendResult.retry(error_text(f"mailer error: {type(exc).__name__}: {exc}"))
+            _annotate(span, result)
         if result.status == "sent":
             return Mark("sent", message_id=result.message_id)
         if result.status == "failed":
@@ -578,14 +586,22 @@ class Sender:
         reason = self._past_its_end(batch.key_age, batch.attempts, "the batch key")
         if reason is not None:
             return BatchMark("dead", error=reason)
-        try:
-            result = await self._batch_mailer.send_batch(batch.key, batch.body, batch.size)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bug in a backend must not stop delivery of other batches
-            log.exception("mailer failed on outbox batch %s", batch.id)
-            error = error_text(f"mailer error: {type(exc).__name__}: {exc}")
-            result = BatchResult(SendResult.retry(error))
+        with self.tracing.send(
+            "email send batch",
+            batch.queued_by,
+            batch_id=batch.id,
+            size=batch.size,
+            attempt=batch.attempts,
+        ) as span:
+            try:
+                result = await self._batch_mailer.send_batch(batch.key, batch.body, batch.size)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug in a backend must not stop delivery of others
+                log.exception("mailer failed on outbox batch %s", batch.id)
+                error = error_text(f"mailer error: {type(exc).__name__}: {exc}")
+                result = BatchResult(SendResult.retry(error))
+            _annotate(span, result.request)
         answer = result.request
         if answer.status == "sent":
             return BatchMark(
@@ -867,6 +883,14 @@ class Sender:
         self._db_trouble = False
 
 
+def _annotate(span: Span, result: SendResult) -> None:
+    if not span.recording:
+        return
+    span.set(outcome=result.status, reason=result.error, retry_after=result.retry_after)
+    if result.status != "sent":
+        span.fail(result.error or result.status)
+
+
 async def _wait_any(*events: asyncio.Event, within: float | None = None) -> None:
     """Until any event is set or the timeout passes."""
     waiters = [asyncio.ensure_future(e.wait()) for e in events]
@@ -899,18 +923,25 @@ async def _drain_until_empty(sender: Sender, stop: asyncio.Event) -> None:
         await _wait_any(stop, within=max(wait, sender.settings.outbox_poll_interval / 10))
 
 
-async def run_in_app(pool: asyncpg.Pool, settings: Settings, stop: asyncio.Event) -> None:
+async def run_in_app(
+    pool: asyncpg.Pool, settings: Settings, stop: asyncio.Event, tracing: Tracing | None = None
+) -> None:
     """The delivery loop of a service instance, on the service's pool, until `stop`."""
     mailer = create_mailer(settings)
     try:
-        await Sender(pool, settings, mailer, settings.instance_name).run(stop)
+        await Sender(pool, settings, mailer, settings.instance_name, tracing=tracing).run(stop)
     finally:
         await mailer.aclose()
 
 
 async def run_sender(settings: Settings, *, once: bool = False) -> None:
     """A dedicated delivery process (`python -m cronlock outbox drain`): its own pool, until SIGTERM
-    or SIGINT; with `once`, until nothing is due."""
+    or SIGINT; with `once`, until nothing is due. It traces as the service does (from_env)."""
+    with from_env():
+        await _run_sender(settings, once=once)
+
+
+async def _run_sender(settings: Settings, *, once: bool) -> None:
     # Each concurrent send marks its row on a connection of its own, plus the claim.
     wanted = settings.outbox_concurrency + 2
     if settings.db_pool_max_size < wanted:

@@ -92,15 +92,17 @@ def trigger_handler(job: Job) -> Callable[[Request], Coroutine[Any, Any, Respons
             return error(422, "invalid query parameters", detail=detail)
         try:
             params = parse_params(job, body)
-            outcome = await runner.trigger(
-                job,
-                force=query.force,
-                slot=query.slot,
-                params=params,
-                wait=query.wait,
-                source=auth.source,
-                message_id=auth.message_id,
-            )
+            # The request's `traceparent` is the trigger span's parent (when tracing is on).
+            with runner.tracing.request(request.headers):
+                outcome = await runner.trigger(
+                    job,
+                    force=query.force,
+                    slot=query.slot,
+                    params=params,
+                    wait=query.wait,
+                    source=auth.source,
+                    message_id=auth.message_id,
+                )
         except InvalidTrigger as exc:
             return error(422, "invalid trigger", detail=exc.args[0])
         except InvalidInput as exc:
