@@ -24,7 +24,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import Any, Literal, TypeVar
 
 import asyncpg
 
@@ -35,6 +36,7 @@ from cronlock.delivery.mailer import (
     BatchMailer,
     BatchResult,
     Mailer,
+    RateInfo,
     SendResult,
     create_mailer,
     error_text,
@@ -60,10 +62,9 @@ from cronlock.delivery.outbox import (
     prune_chunk,
     release,
     release_batches,
-    return_tokens,
-    take_tokens,
     unavailable,
 )
+from cronlock.delivery.pace import Window, observe, reserve, room, window, worth_recording
 from cronlock.errors import DATABASE_ERRORS, DatabaseUnavailable, describe
 from cronlock.settings import Settings
 
@@ -84,6 +85,7 @@ class _Stats:
     lost: int = 0  # outcomes not written because another sender had taken the row over
     released: int = 0
     unwritten: int = 0  # outcomes the database refused; those rows come back after their lease
+    throttled: int = 0  # requests the provider refused with 429 (given back, not an attempt)
 
 
 class OutcomeRefused(Exception):
@@ -117,7 +119,9 @@ class Sender:
         self._held = 0  # rows claimed and not yet marked or released
         self._changed = asyncio.Event()  # set whenever _held drops
         self._db_trouble = False
-        self._rate_wait = 0.0  # how long the last refused token request said to wait
+        self._rate_wait = 0.0  # how long the shared window said to wait, when it had no room
+        self._window: Window | None = window(settings.outbox_rate_limit)
+        self._known_limit: int | None = None  # the provider's ratelimit-limit, as last recorded
         self._prune_task: asyncio.Task[None] | None = None
         self._outcomes: list[_Pending] = []
         self._writer: asyncio.Task[None] | None = None
@@ -211,36 +215,22 @@ class Sender:
         s = self.settings
         while True:
             async with self._connection() as conn:
-                tokens = await take_tokens(conn, want, schema=s.db_schema, rate=s.outbox_rate_limit)
-                if tokens.granted:
-                    try:
-                        batch = await claim(
-                            conn,
-                            schema=s.db_schema,
-                            limit=tokens.granted,
-                            lease=s.outbox_lease,
-                            batchable=batchable,
-                        )
-                    except BaseException:
-                        await _quietly(
-                            return_tokens(
-                                conn, tokens.granted, schema=s.db_schema, rate=s.outbox_rate_limit
-                            )
-                        )
-                        raise
-                    # Tokens for rows that were not there go back: an idle poll costs nothing.
-                    await return_tokens(
+                # Each row is a request: no more than could start within one window.
+                space = await room(conn, schema=s.db_schema, win=self._window, want=want)
+                if space.free:
+                    batch = await claim(
                         conn,
-                        tokens.granted - len(batch.rows),
                         schema=s.db_schema,
-                        rate=s.outbox_rate_limit,
+                        limit=space.free,
+                        lease=s.outbox_lease,
+                        batchable=batchable,
                     )
                     self._held += len(batch.rows)
                     return batch
             if not wait_for_tokens or self._stopping:
-                self._rate_wait = tokens.wait
+                self._rate_wait = space.wait
                 return None
-            await asyncio.sleep(min(tokens.wait, s.outbox_poll_interval))
+            await asyncio.sleep(min(space.wait, s.outbox_poll_interval))
 
     async def _deliver(self, batch: Claim, row: Row) -> None:
         """Send one claimed row and write its outcome; gives the row back if it was not sent.
@@ -255,8 +245,14 @@ class Sender:
             async with self._slots:
                 if self._stopping or not self._lease_allows_send(batch):
                     return
+                turn = await self._take_turn(batch.deadline)
+                if turn is False or self._stopping or not self._lease_allows_send(batch):
+                    return
                 started = True
-                outcome = await self._attempt(row)
+                outcome = await self._attempt(row, turn)
+                if outcome is None:  # 429: not an attempt; given back, due when the pause ends
+                    started = False
+                    return
             # Outside the slot: the next send starts while this outcome is being written.
             await self._finish(batch, row, outcome)
             finished = True
@@ -315,7 +311,54 @@ class Sender:
             rng=self._rng,
         )
 
-    async def _attempt(self, row: Row) -> Mark:
+    async def _take_turn(self, deadline: float) -> datetime | Literal[False] | None:
+        """Wait for this request's start time in the shared window (`pace.reserve`); returns
+        it (None: no window, or no row to keep it), or False when it would fall too near the
+        lease's end or cannot be had (the database): the caller gives its claim back unsent."""
+        win = self._window
+        if win is None:
+            return None
+        needed = min(self.max_send_time, self.settings.outbox_lease / 2)
+        ahead = deadline - time.monotonic() - needed
+        if ahead < 0:
+            return False
+        try:
+            async with self._connection() as conn:
+                turn = await reserve(conn, schema=self.settings.db_schema, win=win, ahead=ahead)
+        except DATABASE_ERRORS as exc:
+            log.debug("outbox: no start time from the rate window: %s", describe(exc))
+            return False
+        if not turn.granted:
+            return False
+        if turn.wait > 0:
+            await asyncio.sleep(turn.wait)
+        return turn.at
+
+    async def _heed(self, at: datetime | None, rate: RateInfo | None) -> None:
+        """Record what an answer said about the provider's limit, for every sender to pace by
+        (`pace.observe`); only answers that can change the pace cost a statement."""
+        if rate is None or not worth_recording(rate, self._window, self._known_limit):
+            return
+        if rate.throttled:
+            self.stats.throttled += 1
+            log.info(
+                "outbox: the provider refused a request for its rate limit (429, Retry-After "
+                "%s); every sender waits",
+                rate.retry_after,
+                extra={"event": "outbox_throttled", "instance": self.instance},
+            )
+        try:
+            async with self._connection() as conn:
+                await observe(
+                    conn, schema=self.settings.db_schema, win=self._window, at=at, info=rate
+                )
+            self._known_limit = rate.limit if rate.limit is not None else self._known_limit
+        except DATABASE_ERRORS as exc:
+            log.debug("outbox: could not record the provider's rate headers: %s", describe(exc))
+
+    async def _attempt(self, row: Row, at: datetime | None = None) -> Mark | None:
+        """Send one row; its outcome, or None when the provider refused it for its rate
+        limit (429: not an attempt, and no backoff beyond what the provider asked)."""
         reason = self._past_its_end(row.key_age, row.attempts, "the key")
         if reason is not None:
             return Mark("dead", error=reason)
@@ -326,6 +369,9 @@ class Sender:
         except Exception as exc:  # a bug in a backend must not stop delivery of other rows
             log.exception("mailer failed on outbox row %s", row.id)
             result = SendResult.retry(error_text(f"mailer error: {type(exc).__name__}: {exc}"))
+        await self._heed(at, result.rate)
+        if result.rate is not None and result.rate.throttled:
+            return None
         if result.status == "sent":
             return Mark("sent", message_id=result.message_id)
         if result.status == "failed":
@@ -499,19 +545,18 @@ class Sender:
         s = self.settings
         while True:
             async with self._connection() as conn:
-                rate = s.outbox_rate_limit
-                tokens = await take_tokens(conn, want, schema=s.db_schema, rate=rate)
-                if tokens.granted:
+                space = await room(conn, schema=s.db_schema, win=self._window, want=want)
+                if space.free:
                     found = []
                     try:
                         found = await claim_batches(
-                            conn, schema=s.db_schema, limit=tokens.granted, lease=s.outbox_lease
+                            conn, schema=s.db_schema, limit=space.free, lease=s.outbox_lease
                         )
-                        if len(found) < tokens.granted and self.forming:
+                        if len(found) < space.free and self.forming:
                             found += await form_batches(
                                 conn,
                                 schema=s.db_schema,
-                                batches=tokens.granted - len(found),
+                                batches=space.free - len(found),
                                 size=self.batch_size,
                                 lease=s.outbox_lease,
                             )
@@ -520,19 +565,13 @@ class Sender:
                         # not left to their lease (and counted as an attempt).
                         if found:
                             await _quietly(release_batches(conn, found, schema=s.db_schema))
-                        await _quietly(
-                            return_tokens(conn, tokens.granted, schema=s.db_schema, rate=rate)
-                        )
                         raise
-                    await return_tokens(
-                        conn, tokens.granted - len(found), schema=s.db_schema, rate=rate
-                    )
                     self._held += len(found)
                     return found
             if not wait_for_tokens or self._stopping:
-                self._rate_wait = tokens.wait
+                self._rate_wait = space.wait
                 return None
-            await asyncio.sleep(min(tokens.wait, s.outbox_poll_interval))
+            await asyncio.sleep(min(space.wait, s.outbox_poll_interval))
 
     async def _deliver_batch(self, batch: Batch) -> None:
         """Send one claimed batch and write its outcome; gives it back if it was not sent
@@ -544,8 +583,14 @@ class Sender:
             async with self._slots:
                 if self._stopping or not self._lease_allows_send(batch):
                     return
+                turn = await self._take_turn(batch.deadline)
+                if turn is False or self._stopping or not self._lease_allows_send(batch):
+                    return
                 started = True
-                outcome = await self._attempt_batch(batch)
+                outcome = await self._attempt_batch(batch, turn)
+                if outcome is None:  # 429: not an attempt; given back, due when the pause ends
+                    started = False
+                    return
             await self._finish_batch(batch, outcome)
             finished = True
         except Exception:
@@ -573,7 +618,8 @@ class Sender:
             self._held -= 1
             self._changed.set()
 
-    async def _attempt_batch(self, batch: Batch) -> BatchMark:
+    async def _attempt_batch(self, batch: Batch, at: datetime | None = None) -> BatchMark | None:
+        """As `_attempt`, for a batch (None: a 429, given back unchanged)."""
         assert self._batch_mailer is not None
         reason = self._past_its_end(batch.key_age, batch.attempts, "the batch key")
         if reason is not None:
@@ -587,6 +633,9 @@ class Sender:
             error = error_text(f"mailer error: {type(exc).__name__}: {exc}")
             result = BatchResult(SendResult.retry(error))
         answer = result.request
+        await self._heed(at, answer.rate)
+        if answer.rate is not None and answer.rate.throttled:
+            return None
         if answer.status == "sent":
             return BatchMark(
                 "done",
