@@ -109,6 +109,9 @@ class SendResult:
     retry_after: float | None = None
     # The answer's rate headers (None: no answer, or none of them in it).
     rate: RateInfo | None = None
+    # time.monotonic() when the request was written out whole (None: not known), so a
+    # sender can tell how late it left after its start in the rate window.
+    written: float | None = None
 
     @classmethod
     def sent(cls, message_id: str | None) -> SendResult:
@@ -370,6 +373,20 @@ def _parse_batch_answer(
     return ids, refused
 
 
+class _Written:
+    """When a request was written out whole, from httpcore's trace events (a new connection,
+    a busy process: the request can leave well after the sender decided to send it)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    async def trace(self, event: str, info: dict[str, Any]) -> None:
+        if event.endswith(".send_request_body.complete"):
+            self.at = time.monotonic()
+
+
 class HttpMailer:
     """A Resend-compatible API: `POST {api_url}/emails` with an `Idempotency-Key`, and
     `POST {api_url}/emails/batch` (up to 100 emails, one key for the whole batch)."""
@@ -404,31 +421,42 @@ class HttpMailer:
 
     async def send(self, message: Email) -> SendResult:
         body = payload_bytes(message)
+        written = _Written()
         try:
             async with asyncio.timeout(self.timeout):
                 response = await self._client.post(
-                    self.url, content=body, headers={"Idempotency-Key": message.idempotency_key}
+                    self.url,
+                    content=body,
+                    headers={"Idempotency-Key": message.idempotency_key},
+                    extensions={"trace": written.trace},
                 )
         except (TimeoutError, httpx.TimeoutException):
             return SendResult.retry(f"timed out after {self.timeout:g}s")
         except httpx.TransportError as exc:
             return SendResult.retry(error_text(f"connection error: {type(exc).__name__}: {exc}"))
-        return classify_response(response)
+        return replace(classify_response(response), written=written.at)
 
     async def send_batch(self, key: str, body: bytes, size: int) -> BatchResult:
         """One batch request with its frozen `body` of `size` emails. Permissive validation:
         Resend's default (strict) refuses the whole batch for one bad email, permissive sends
         the valid ones and answers an error per refused index."""
         headers = {"Idempotency-Key": key, "x-batch-validation": "permissive"}
+        written = _Written()
         try:
             async with asyncio.timeout(self.timeout):
-                response = await self._client.post(self.batch_url, content=body, headers=headers)
+                response = await self._client.post(
+                    self.batch_url,
+                    content=body,
+                    headers=headers,
+                    extensions={"trace": written.trace},
+                )
         except (TimeoutError, httpx.TimeoutException):
             return BatchResult(SendResult.retry(f"timed out after {self.timeout:g}s"))
         except httpx.TransportError as exc:
             error = error_text(f"connection error: {type(exc).__name__}: {exc}")
             return BatchResult(SendResult.retry(error))
-        return classify_batch(response, size)
+        result = classify_batch(response, size)
+        return replace(result, request=replace(result.request, written=written.at))
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -5,13 +5,15 @@ sender of every instance, and what the provider said about its own limit.
 start in any one-second window, across all senders (a provider such as Resend counts them
 that way: a token bucket with a second's burst sent twice its limit in some windows). One row
 (`<DB_SCHEMA>.email_outbox_rate`, migration 0016) keeps the start times handed to the latest
-requests. A sender asks for a start time right before it sends (`reserve`), in one statement
-under the row's lock: the n-th latest start plus the window, or now if that has passed; it
-waits until then and sends. So the start times of any n + 1 consecutive requests lie at least
-a window apart, whoever sent them. The window is a second plus `MARGIN`: a request reaches the
-provider a few milliseconds after its start (an event loop, a socket, another process), and
-the margin absorbs that. A fractional R above 1 counts as its whole part; below 1, one request
-per 1/R seconds.
+requests. A sender takes a start when it is about to send (`reserve`, one statement under the
+row's lock): now, if fewer than n starts lie within the last window; else it is told when the
+oldest of them leaves, sleeps until then and asks again. So the starts of any n + 1 requests
+lie at least a window apart, whoever sent them. The start recorded is the database's clock at
+that moment; a request that then leaves late (its first connection, a busy process: the
+trace of its HTTP request says when it was written out) has its start moved to then
+(`correct`), so the next ones count from when it really left. The window is a second plus
+`MARGIN`, for what remains: a request reaches the provider a few milliseconds after its start.
+A fractional R above 1 counts as its whole part; below 1, one request per 1/R seconds.
 
 Before claiming, a sender looks at the window (`room`, a plain read) and claims no more than
 could start within one window; a second sender reading at the same moment may claim as many,
@@ -34,8 +36,11 @@ from datetime import datetime
 from cronlock.delivery.mailer import RateInfo
 from cronlock.sql import Conn, qualify
 
-# Seconds added to every window: what a request's arrival at the provider may lag its start.
-MARGIN = 0.05
+# Seconds added to every window: what a request's arrival at the provider may lag the moment
+# it was written out (late starts are moved to that moment: `correct`).
+MARGIN = 0.02
+# A request written out later than this after its start has its start moved (`correct`).
+LATE = 0.01
 # The longest pause any answer can impose (an absurd Retry-After must not stop mail for
 # longer than a day; past OUTBOX_RETRY_WINDOW the rows die of their keys' age anyway).
 MAX_PAUSE = 86400.0
@@ -76,6 +81,17 @@ FROM pick AS p
 WHERE r.id
 RETURNING p.at <= p.ts + make_interval(secs => $3::float8) AS granted,
           extract(epoch FROM p.at - p.ts)::float8 AS wait, p.at
+"""
+
+# A request that left late (written out whole `$2` seconds after its start `$1`): its start
+# is moved to when it left, so the next requests count from there. The starts stay in order.
+CORRECT_SQL = """
+UPDATE {schema}.email_outbox_rate
+SET starts = ARRAY(
+    SELECT s FROM unnest(array_replace(starts, $1::timestamptz,
+                                       $1::timestamptz + make_interval(secs => $2::float8))) AS s
+    ORDER BY s)
+WHERE id
 """
 
 # An answer's rate headers: $1 the request's start (NULL: none recorded), $2 limit, $3
@@ -170,6 +186,11 @@ async def reserve(conn: Conn, *, schema: str, win: Window, ahead: float) -> Turn
     if row is None:
         return Turn(True, 0.0, None)
     return Turn(bool(row["granted"]), max(0.0, float(row["wait"])), row["at"])
+
+
+async def correct(conn: Conn, *, schema: str, at: datetime, late: float) -> None:
+    """Move the start `at` of a request that was written out `late` seconds after it."""
+    await conn.execute(qualify(CORRECT_SQL, schema), at, min(late, MAX_PAUSE))
 
 
 def worth_recording(info: RateInfo, win: Window | None, known_limit: int | None) -> bool:

@@ -36,7 +36,6 @@ from cronlock.delivery.mailer import (
     BatchMailer,
     BatchResult,
     Mailer,
-    RateInfo,
     SendResult,
     create_mailer,
     error_text,
@@ -64,7 +63,16 @@ from cronlock.delivery.outbox import (
     release_batches,
     unavailable,
 )
-from cronlock.delivery.pace import Window, observe, reserve, room, window, worth_recording
+from cronlock.delivery.pace import (
+    LATE,
+    Window,
+    correct,
+    observe,
+    reserve,
+    room,
+    window,
+    worth_recording,
+)
 from cronlock.errors import DATABASE_ERRORS, DatabaseUnavailable, describe
 from cronlock.settings import Settings
 
@@ -86,6 +94,15 @@ class _Stats:
     released: int = 0
     unwritten: int = 0  # outcomes the database refused; those rows come back after their lease
     throttled: int = 0  # requests the provider refused with 429 (given back, not an attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """A request's start in the rate window: as recorded (the database's clock), and when it
+    was taken (time.monotonic())."""
+
+    at: datetime
+    taken: float
 
 
 class OutcomeRefused(Exception):
@@ -311,32 +328,48 @@ class Sender:
             rng=self._rng,
         )
 
-    async def _take_turn(self, deadline: float) -> datetime | Literal[False] | None:
-        """Wait for this request's start time in the shared window (`pace.reserve`); returns
-        it (None: no window, or no row to keep it), or False when it would fall too near the
-        lease's end or cannot be had (the database): the caller gives its claim back unsent."""
+    async def _take_turn(self, deadline: float) -> _Start | Literal[False] | None:
+        """Wait until the shared window lets this request start (`pace.reserve`), and return
+        its start as recorded (None: no window, or no row to keep it). False when the wait
+        would run too near the lease's end, or the database cannot say: the caller gives its
+        claim back unsent. The start is taken at the moment of sending, not booked ahead: a
+        sender that wakes late records a late start, and the next requests count from it."""
         win = self._window
         if win is None:
             return None
         needed = min(self.max_send_time, self.settings.outbox_lease / 2)
-        ahead = deadline - time.monotonic() - needed
-        if ahead < 0:
-            return False
-        try:
-            async with self._connection() as conn:
-                turn = await reserve(conn, schema=self.settings.db_schema, win=win, ahead=ahead)
-        except DATABASE_ERRORS as exc:
-            log.debug("outbox: no start time from the rate window: %s", describe(exc))
-            return False
-        if not turn.granted:
-            return False
-        if turn.wait > 0:
-            await asyncio.sleep(turn.wait)
-        return turn.at
+        while True:
+            asked = time.monotonic()
+            try:
+                async with self._connection() as conn:
+                    turn = await reserve(conn, schema=self.settings.db_schema, win=win, ahead=0)
+            except DATABASE_ERRORS as exc:
+                log.debug("outbox: no start time from the rate window: %s", describe(exc))
+                return False
+            if turn.granted:
+                return None if turn.at is None else _Start(turn.at, time.monotonic())
+            if self._stopping or time.monotonic() + turn.wait > deadline - needed:
+                return False
+            # The wait counts from when we asked (the answer's trip back is not added to it);
+            # waiters wake a little apart, so they do not all ask at the same instant.
+            await asyncio.sleep(
+                max(0.0, asked + turn.wait - time.monotonic()) + self._rng.uniform(0, 0.003)
+            )
 
-    async def _heed(self, at: datetime | None, rate: RateInfo | None) -> None:
-        """Record what an answer said about the provider's limit, for every sender to pace by
-        (`pace.observe`); only answers that can change the pace cost a statement."""
+    async def _heed(self, start: _Start | None, result: SendResult) -> None:
+        """Move the start of a request that left late (`pace.correct`), and record what an
+        answer said about the provider's limit, for every sender to pace by (`pace.observe`);
+        only answers that can change the pace cost a statement."""
+        if start is not None and result.written is not None:
+            late = result.written - start.taken
+            if late > LATE:
+                try:
+                    async with self._connection() as conn:
+                        await correct(conn, schema=self.settings.db_schema, at=start.at, late=late)
+                except DATABASE_ERRORS as exc:
+                    log.debug("outbox: could not move a late start: %s", describe(exc))
+        rate = result.rate
+        at = start.at if start is not None else None
         if rate is None or not worth_recording(rate, self._window, self._known_limit):
             return
         if rate.throttled:
@@ -356,7 +389,7 @@ class Sender:
         except DATABASE_ERRORS as exc:
             log.debug("outbox: could not record the provider's rate headers: %s", describe(exc))
 
-    async def _attempt(self, row: Row, at: datetime | None = None) -> Mark | None:
+    async def _attempt(self, row: Row, start: _Start | None = None) -> Mark | None:
         """Send one row; its outcome, or None when the provider refused it for its rate
         limit (429: not an attempt, and no backoff beyond what the provider asked)."""
         reason = self._past_its_end(row.key_age, row.attempts, "the key")
@@ -369,7 +402,7 @@ class Sender:
         except Exception as exc:  # a bug in a backend must not stop delivery of other rows
             log.exception("mailer failed on outbox row %s", row.id)
             result = SendResult.retry(error_text(f"mailer error: {type(exc).__name__}: {exc}"))
-        await self._heed(at, result.rate)
+        await self._heed(start, result)
         if result.rate is not None and result.rate.throttled:
             return None
         if result.status == "sent":
@@ -618,7 +651,7 @@ class Sender:
             self._held -= 1
             self._changed.set()
 
-    async def _attempt_batch(self, batch: Batch, at: datetime | None = None) -> BatchMark | None:
+    async def _attempt_batch(self, batch: Batch, start: _Start | None = None) -> BatchMark | None:
         """As `_attempt`, for a batch (None: a 429, given back unchanged)."""
         assert self._batch_mailer is not None
         reason = self._past_its_end(batch.key_age, batch.attempts, "the batch key")
@@ -633,7 +666,7 @@ class Sender:
             error = error_text(f"mailer error: {type(exc).__name__}: {exc}")
             result = BatchResult(SendResult.retry(error))
         answer = result.request
-        await self._heed(at, answer.rate)
+        await self._heed(start, answer)
         if answer.rate is not None and answer.rate.throttled:
             return None
         if answer.status == "sent":
