@@ -742,10 +742,12 @@ async def test_a_schema_the_role_may_not_read_is_a_reason_not_a_crash(
 OUTBOX_TABLES = ("cronlock.email_outbox", "cronlock.email_batch")
 
 
-def migrations_through(version: int) -> list[MigrationSet]:
-    """cronlock's migrations up to `version` (a release's), and the demo's."""
+def migrations_through(version: int, also: tuple[int, ...] = ()) -> list[MigrationSet]:
+    """cronlock's migrations up to `version` (a release's) and those in `also`, and the demo's."""
     return [
-        MigrationSet(s.module, tuple(m for m in s.migrations if m.version <= version))
+        MigrationSet(
+            s.module, tuple(m for m in s.migrations if m.version <= version or m.version in also)
+        )
         if s.module == "cronlock"
         else s
         for s in migration_sets(["cronlock.demo.digest"])
@@ -759,8 +761,10 @@ async def every_row(conn: asyncpg.Connection, table: str) -> list[str]:
 
 async def build_0011_outbox(conn: asyncpg.Connection) -> dict[str, str]:
     """A database of the release before 0012 with emails in every state, made by the
-    outbox's own functions; returns {state: idempotency key} for some of them."""
-    await migrate(conn, "cronlock", migrations_through(11))
+    outbox's own functions; returns {state: idempotency key} for some of them. With 0017's
+    nullable `traceparent` column, which today's functions write and read (no row of 0011
+    has one), applied ahead of its turn."""
+    await migrate(conn, "cronlock", migrations_through(11, also=(17,)))
     slot = await conn.fetchval("SELECT date_trunc('day', now())")
     epoch = int(slot.timestamp())
     await conn.execute(

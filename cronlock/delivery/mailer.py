@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from email.message import EmailMessage
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -88,12 +88,30 @@ class Email:
 
 
 @dataclass(frozen=True, slots=True)
+class RateInfo:
+    """What one answer said about the provider's request limit (Resend's `ratelimit-limit`,
+    `ratelimit-remaining`, `ratelimit-reset`, and `retry-after` on a 429): each None when
+    absent or not a number we can use. `throttled`: the answer was 429, the request not taken."""
+
+    limit: int | None = None
+    remaining: int | None = None
+    reset: float | None = None  # seconds until the provider's window resets
+    retry_after: float | None = None
+    throttled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class SendResult:
     status: Literal["sent", "retry", "failed"]
     message_id: str | None = None
     error: str | None = None
     # Seconds the provider asked us to wait (Retry-After), if it said.
     retry_after: float | None = None
+    # The answer's rate headers (None: no answer, or none of them in it).
+    rate: RateInfo | None = None
+    # time.monotonic() when the request was written out whole (None: not known), so a
+    # sender can tell how late it left after its start in the rate window.
+    written: float | None = None
 
     @classmethod
     def sent(cls, message_id: str | None) -> SendResult:
@@ -235,6 +253,34 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
+# Larger counts than any provider's are not a limit we can use (and would not fit the row).
+_MAX_COUNT = 1_000_000_000
+
+
+def _count(response: httpx.Response, name: str) -> int | None:
+    """A header that must be one whole number >= 0 (a repeated header: ignored)."""
+    values = response.headers.get_list(name)
+    if len(values) != 1 or not values[0].strip().isdigit() or not values[0].isascii():
+        return None
+    value = int(values[0])
+    return value if value <= _MAX_COUNT else None
+
+
+def parse_rate(response: httpx.Response) -> RateInfo | None:
+    """The answer's rate headers (None when it has none and is not a 429). A value that is
+    not a usable number is left out, never guessed at."""
+    throttled = response.status_code == 429
+    limit = _count(response, "ratelimit-limit")
+    remaining = _count(response, "ratelimit-remaining")
+    resets = response.headers.get_list("ratelimit-reset")
+    reset = parse_retry_after(resets[0]) if len(resets) == 1 else None
+    afters = response.headers.get_list("retry-after")
+    retry_after = parse_retry_after(afters[0]) if len(afters) == 1 else None
+    if not throttled and limit is None and remaining is None and reset is None:
+        return None
+    return RateInfo(limit, remaining, reset, retry_after if throttled else None, throttled)
+
+
 def classify_response(response: httpx.Response) -> SendResult:
     status = response.status_code
     if 200 <= status < 300:
@@ -245,12 +291,16 @@ def classify_response(response: httpx.Response) -> SendResult:
             document = None
         if isinstance(document, dict) and isinstance(document.get("id"), str):
             message_id = document["id"]
-        return SendResult.sent(message_id)
+        return replace(SendResult.sent(message_id), rate=parse_rate(response))
     return _refused(response)
 
 
 def _refused(response: httpx.Response) -> SendResult:
     """A non-2xx answer: retry or failed."""
+    return replace(_refusal(response), rate=parse_rate(response))
+
+
+def _refusal(response: httpx.Response) -> SendResult:
     status = response.status_code
     error = f"HTTP {status}: {error_text(response.text)}"
     if status == 409 and _error_name(response) in PERMANENT_409:
@@ -282,14 +332,15 @@ def classify_batch(response: httpx.Response, size: int) -> BatchResult:
         # would get the same answer, and a retry could only end in dead letters for emails
         # that went out), ids unknown.
         log.warning("batch answer not understood for a batch of %d: ids unknown", size)
-        return BatchResult(SendResult.sent(None), (SendResult.sent(None),) * size)
+        request = replace(SendResult.sent(None), rate=parse_rate(response))
+        return BatchResult(request, (SendResult.sent(None),) * size)
     ids, refused = parsed
     created = iter(ids)
     members = tuple(
         SendResult.failed(refused[i]) if i in refused else SendResult.sent(next(created))
         for i in range(size)
     )
-    return BatchResult(SendResult.sent(None), members)
+    return BatchResult(replace(SendResult.sent(None), rate=parse_rate(response)), members)
 
 
 def _parse_batch_answer(
@@ -320,6 +371,20 @@ def _parse_batch_answer(
         return None
     ids = [d.get("id") if isinstance(d.get("id"), str) else None for d in data]
     return ids, refused
+
+
+class _Written:
+    """When a request was written out whole, from httpcore's trace events (a new connection,
+    a busy process: the request can leave well after the sender decided to send it)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    async def trace(self, event: str, info: dict[str, Any]) -> None:
+        if event.endswith(".send_request_body.complete"):
+            self.at = time.monotonic()
 
 
 class HttpMailer:
@@ -356,31 +421,42 @@ class HttpMailer:
 
     async def send(self, message: Email) -> SendResult:
         body = payload_bytes(message)
+        written = _Written()
         try:
             async with asyncio.timeout(self.timeout):
                 response = await self._client.post(
-                    self.url, content=body, headers={"Idempotency-Key": message.idempotency_key}
+                    self.url,
+                    content=body,
+                    headers={"Idempotency-Key": message.idempotency_key},
+                    extensions={"trace": written.trace},
                 )
         except (TimeoutError, httpx.TimeoutException):
             return SendResult.retry(f"timed out after {self.timeout:g}s")
         except httpx.TransportError as exc:
             return SendResult.retry(error_text(f"connection error: {type(exc).__name__}: {exc}"))
-        return classify_response(response)
+        return replace(classify_response(response), written=written.at)
 
     async def send_batch(self, key: str, body: bytes, size: int) -> BatchResult:
         """One batch request with its frozen `body` of `size` emails. Permissive validation:
         Resend's default (strict) refuses the whole batch for one bad email, permissive sends
         the valid ones and answers an error per refused index."""
         headers = {"Idempotency-Key": key, "x-batch-validation": "permissive"}
+        written = _Written()
         try:
             async with asyncio.timeout(self.timeout):
-                response = await self._client.post(self.batch_url, content=body, headers=headers)
+                response = await self._client.post(
+                    self.batch_url,
+                    content=body,
+                    headers=headers,
+                    extensions={"trace": written.trace},
+                )
         except (TimeoutError, httpx.TimeoutException):
             return BatchResult(SendResult.retry(f"timed out after {self.timeout:g}s"))
         except httpx.TransportError as exc:
             error = error_text(f"connection error: {type(exc).__name__}: {exc}")
             return BatchResult(SendResult.retry(error))
-        return classify_batch(response, size)
+        result = classify_batch(response, size)
+        return replace(result, request=replace(result.request, written=written.at))
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -415,57 +415,7 @@ def backoff_delay(
     return delay
 
 
-# --- rate limit -----------------------------------------------------------------------------
-
-# A token bucket in one row, refilled by elapsed time on the database clock. Each sender asks
-# for as many tokens as it would like to send and gets what is there (0..want); the UPDATE's
-# row lock makes take-and-decrement atomic across processes. The sub-select sees the row as
-# locked, so a sender that waited for the lock computes from the winner's values.
-TAKE_TOKENS_SQL = """
-UPDATE {schema}.email_outbox_rate AS r
-SET (tokens, updated_at, granted) = (
-    SELECT b.avail - g.n, c.ts, g.n
-    FROM (SELECT clock_timestamp() AS ts) AS c
-    CROSS JOIN LATERAL (
-        SELECT least($3::float8, r.tokens + $2::float8
-                     * greatest(0, extract(epoch FROM c.ts - r.updated_at)::float8)) AS avail
-    ) AS b
-    CROSS JOIN LATERAL (SELECT least($1::int, floor(b.avail)::int) AS n) AS g
-)
-WHERE r.id
-RETURNING r.granted, r.tokens
-"""
-
-RETURN_TOKENS_SQL = """
-UPDATE {schema}.email_outbox_rate SET tokens = least($2::float8, tokens + $1::float8) WHERE id
-"""
-
-
-@dataclass(frozen=True, slots=True)
-class Tokens:
-    granted: int
-    # Seconds until one more token is there, when none was granted.
-    wait: float
-
-
-async def take_tokens(conn: Conn, want: int, *, schema: str, rate: float) -> Tokens:
-    """Up to `want` requests under the global rate (per second, burst of one second's worth):
-    one per email, or one per batch with EMAIL_BATCH_SIZE above 1."""
-    if rate <= 0:
-        return Tokens(want, 0.0)
-    burst = max(1.0, rate)
-    row = await conn.fetchrow(qualify(TAKE_TOKENS_SQL, schema), want, rate, burst)
-    if row is None:  # the bucket row is missing: never block delivery on it
-        return Tokens(want, 0.0)
-    granted = int(row["granted"])
-    wait = 0.0 if granted else max(0.0, (1.0 - float(row["tokens"])) / rate)
-    return Tokens(granted, wait)
-
-
-async def return_tokens(conn: Conn, count: int, *, schema: str, rate: float) -> None:
-    if rate > 0 and count > 0:
-        await conn.execute(qualify(RETURN_TOKENS_SQL, schema), count, max(1.0, rate))
-
+# --- rate limit: cronlock/delivery/pace.py (the window senders share in email_outbox_rate) ----
 
 # --- batches --------------------------------------------------------------------------------
 

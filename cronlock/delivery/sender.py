@@ -24,7 +24,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import Any, Literal, TypeVar
 
 import asyncpg
 
@@ -60,9 +61,17 @@ from cronlock.delivery.outbox import (
     prune_chunk,
     release,
     release_batches,
-    return_tokens,
-    take_tokens,
     unavailable,
+)
+from cronlock.delivery.pace import (
+    LATE,
+    Window,
+    correct,
+    observe,
+    reserve,
+    room,
+    window,
+    worth_recording,
 )
 from cronlock.errors import DATABASE_ERRORS, DatabaseUnavailable, describe
 from cronlock.settings import Settings
@@ -85,6 +94,16 @@ class _Stats:
     lost: int = 0  # outcomes not written because another sender had taken the row over
     released: int = 0
     unwritten: int = 0  # outcomes the database refused; those rows come back after their lease
+    throttled: int = 0  # requests the provider refused with 429 (given back, not an attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """A request's start in the rate window: as recorded (the database's clock), and when it
+    was taken (time.monotonic())."""
+
+    at: datetime
+    taken: float
 
 
 class OutcomeRefused(Exception):
@@ -121,7 +140,9 @@ class Sender:
         self._held = 0  # rows claimed and not yet marked or released
         self._changed = asyncio.Event()  # set whenever _held drops
         self._db_trouble = False
-        self._rate_wait = 0.0  # how long the last refused token request said to wait
+        self._rate_wait = 0.0  # how long the shared window said to wait, when it had no room
+        self._window: Window | None = window(settings.outbox_rate_limit)
+        self._known_limit: int | None = None  # the provider's ratelimit-limit, as last recorded
         self._prune_task: asyncio.Task[None] | None = None
         self._outcomes: list[_Pending] = []
         self._writer: asyncio.Task[None] | None = None
@@ -215,36 +236,22 @@ class Sender:
         s = self.settings
         while True:
             async with self._connection() as conn:
-                tokens = await take_tokens(conn, want, schema=s.db_schema, rate=s.outbox_rate_limit)
-                if tokens.granted:
-                    try:
-                        batch = await claim(
-                            conn,
-                            schema=s.db_schema,
-                            limit=tokens.granted,
-                            lease=s.outbox_lease,
-                            batchable=batchable,
-                        )
-                    except BaseException:
-                        await _quietly(
-                            return_tokens(
-                                conn, tokens.granted, schema=s.db_schema, rate=s.outbox_rate_limit
-                            )
-                        )
-                        raise
-                    # Tokens for rows that were not there go back: an idle poll costs nothing.
-                    await return_tokens(
+                # Each row is a request: no more than could start within one window.
+                space = await room(conn, schema=s.db_schema, win=self._window, want=want)
+                if space.free:
+                    batch = await claim(
                         conn,
-                        tokens.granted - len(batch.rows),
                         schema=s.db_schema,
-                        rate=s.outbox_rate_limit,
+                        limit=space.free,
+                        lease=s.outbox_lease,
+                        batchable=batchable,
                     )
                     self._held += len(batch.rows)
                     return batch
             if not wait_for_tokens or self._stopping:
-                self._rate_wait = tokens.wait
+                self._rate_wait = space.wait
                 return None
-            await asyncio.sleep(min(tokens.wait, s.outbox_poll_interval))
+            await asyncio.sleep(min(space.wait, s.outbox_poll_interval))
 
     async def _deliver(self, batch: Claim, row: Row) -> None:
         """Send one claimed row and write its outcome; gives the row back if it was not sent.
@@ -259,8 +266,14 @@ class Sender:
             async with self._slots:
                 if self._stopping or not self._lease_allows_send(batch):
                     return
+                turn = await self._take_turn(batch.deadline)
+                if turn is False or self._stopping or not self._lease_allows_send(batch):
+                    return
                 started = True
-                outcome = await self._attempt(row)
+                outcome = await self._attempt(row, turn)
+                if outcome is None:  # 429: not an attempt; given back, due when the pause ends
+                    started = False
+                    return
             # Outside the slot: the next send starts while this outcome is being written.
             await self._finish(batch, row, outcome)
             finished = True
@@ -319,7 +332,70 @@ class Sender:
             rng=self._rng,
         )
 
-    async def _attempt(self, row: Row) -> Mark:
+    async def _take_turn(self, deadline: float) -> _Start | Literal[False] | None:
+        """Wait until the shared window lets this request start (`pace.reserve`), and return
+        its start as recorded (None: no window, or no row to keep it). False when the wait
+        would run too near the lease's end, or the database cannot say: the caller gives its
+        claim back unsent. The start is taken at the moment of sending, not booked ahead: a
+        sender that wakes late records a late start, and the next requests count from it."""
+        win = self._window
+        if win is None:
+            return None
+        needed = min(self.max_send_time, self.settings.outbox_lease / 2)
+        while True:
+            asked = time.monotonic()
+            try:
+                async with self._connection() as conn:
+                    turn = await reserve(conn, schema=self.settings.db_schema, win=win, ahead=0)
+            except DATABASE_ERRORS as exc:
+                log.debug("outbox: no start time from the rate window: %s", describe(exc))
+                return False
+            if turn.granted:
+                return None if turn.at is None else _Start(turn.at, time.monotonic())
+            if self._stopping or time.monotonic() + turn.wait > deadline - needed:
+                return False
+            # The wait counts from when we asked (the answer's trip back is not added to it);
+            # waiters wake a little apart, so they do not all ask at the same instant.
+            await asyncio.sleep(
+                max(0.0, asked + turn.wait - time.monotonic()) + self._rng.uniform(0, 0.003)
+            )
+
+    async def _heed(self, start: _Start | None, result: SendResult) -> None:
+        """Move the start of a request that left late (`pace.correct`), and record what an
+        answer said about the provider's limit, for every sender to pace by (`pace.observe`);
+        only answers that can change the pace cost a statement."""
+        if start is not None and result.written is not None:
+            late = result.written - start.taken
+            if late > LATE:
+                try:
+                    async with self._connection() as conn:
+                        await correct(conn, schema=self.settings.db_schema, at=start.at, late=late)
+                except DATABASE_ERRORS as exc:
+                    log.debug("outbox: could not move a late start: %s", describe(exc))
+        rate = result.rate
+        at = start.at if start is not None else None
+        if rate is None or not worth_recording(rate, self._window, self._known_limit):
+            return
+        if rate.throttled:
+            self.stats.throttled += 1
+            log.info(
+                "outbox: the provider refused a request for its rate limit (429, Retry-After "
+                "%s); every sender waits",
+                rate.retry_after,
+                extra={"event": "outbox_throttled", "instance": self.instance},
+            )
+        try:
+            async with self._connection() as conn:
+                await observe(
+                    conn, schema=self.settings.db_schema, win=self._window, at=at, info=rate
+                )
+            self._known_limit = rate.limit if rate.limit is not None else self._known_limit
+        except DATABASE_ERRORS as exc:
+            log.debug("outbox: could not record the provider's rate headers: %s", describe(exc))
+
+    async def _attempt(self, row: Row, start: _Start | None = None) -> Mark | None:
+        """Send one row; its outcome, or None when the provider refused it for its rate
+        limit (429: not an attempt, and no backoff beyond what the provider asked)."""
         reason = self._past_its_end(row.key_age, row.attempts, "the key")
         if reason is not None:
             return Mark("dead", error=reason)
@@ -334,6 +410,9 @@ class Sender:
                 log.exception("mailer failed on outbox row %s", row.id)
                 result = SendResult.retry(error_text(f"mailer error: {type(exc).__name__}: {exc}"))
             _annotate(span, result)
+        await self._heed(start, result)
+        if result.rate is not None and result.rate.throttled:
+            return None
         if result.status == "sent":
             return Mark("sent", message_id=result.message_id)
         if result.status == "failed":
@@ -507,19 +586,18 @@ class Sender:
         s = self.settings
         while True:
             async with self._connection() as conn:
-                rate = s.outbox_rate_limit
-                tokens = await take_tokens(conn, want, schema=s.db_schema, rate=rate)
-                if tokens.granted:
+                space = await room(conn, schema=s.db_schema, win=self._window, want=want)
+                if space.free:
                     found = []
                     try:
                         found = await claim_batches(
-                            conn, schema=s.db_schema, limit=tokens.granted, lease=s.outbox_lease
+                            conn, schema=s.db_schema, limit=space.free, lease=s.outbox_lease
                         )
-                        if len(found) < tokens.granted and self.forming:
+                        if len(found) < space.free and self.forming:
                             found += await form_batches(
                                 conn,
                                 schema=s.db_schema,
-                                batches=tokens.granted - len(found),
+                                batches=space.free - len(found),
                                 size=self.batch_size,
                                 lease=s.outbox_lease,
                             )
@@ -528,19 +606,13 @@ class Sender:
                         # not left to their lease (and counted as an attempt).
                         if found:
                             await _quietly(release_batches(conn, found, schema=s.db_schema))
-                        await _quietly(
-                            return_tokens(conn, tokens.granted, schema=s.db_schema, rate=rate)
-                        )
                         raise
-                    await return_tokens(
-                        conn, tokens.granted - len(found), schema=s.db_schema, rate=rate
-                    )
                     self._held += len(found)
                     return found
             if not wait_for_tokens or self._stopping:
-                self._rate_wait = tokens.wait
+                self._rate_wait = space.wait
                 return None
-            await asyncio.sleep(min(tokens.wait, s.outbox_poll_interval))
+            await asyncio.sleep(min(space.wait, s.outbox_poll_interval))
 
     async def _deliver_batch(self, batch: Batch) -> None:
         """Send one claimed batch and write its outcome; gives it back if it was not sent
@@ -552,8 +624,14 @@ class Sender:
             async with self._slots:
                 if self._stopping or not self._lease_allows_send(batch):
                     return
+                turn = await self._take_turn(batch.deadline)
+                if turn is False or self._stopping or not self._lease_allows_send(batch):
+                    return
                 started = True
-                outcome = await self._attempt_batch(batch)
+                outcome = await self._attempt_batch(batch, turn)
+                if outcome is None:  # 429: not an attempt; given back, due when the pause ends
+                    started = False
+                    return
             await self._finish_batch(batch, outcome)
             finished = True
         except Exception:
@@ -581,7 +659,8 @@ class Sender:
             self._held -= 1
             self._changed.set()
 
-    async def _attempt_batch(self, batch: Batch) -> BatchMark:
+    async def _attempt_batch(self, batch: Batch, start: _Start | None = None) -> BatchMark | None:
+        """As `_attempt`, for a batch (None: a 429, given back unchanged)."""
         assert self._batch_mailer is not None
         reason = self._past_its_end(batch.key_age, batch.attempts, "the batch key")
         if reason is not None:
@@ -603,6 +682,9 @@ class Sender:
                 result = BatchResult(SendResult.retry(error))
             _annotate(span, result.request)
         answer = result.request
+        await self._heed(start, answer)
+        if answer.rate is not None and answer.rate.throttled:
+            return None
         if answer.status == "sent":
             return BatchMark(
                 "done",

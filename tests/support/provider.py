@@ -18,9 +18,13 @@ every answer down, or hold all answers until released. Every method is thread-sa
 again; the same key and another body: 409 `invalid_idempotent_request`), `x-batch-validation`
 `strict` (the default: one invalid email refuses the whole batch with 422) or `permissive`
 (the valid emails are sent; `data` lists their ids in order, `errors` one `{index, message}`
-per invalid one). With `rate` set, requests beyond that many per second (a token bucket with
-a burst of one second's worth, on either endpoint) get 429 with `Retry-After`. `emails()`
-counts accepted emails per (recipient, subject): the tests' subjects name the slot.
+per invalid one). With `rate` set, the limit is a strict window, as Resend enforces it: a
+request (on either endpoint) that would make more than `rate` requests taken in the last
+second gets 429 with `Retry-After` (refused requests do not count). Every answer then carries
+Resend's `ratelimit-limit`, `ratelimit-remaining` (after this request) and `ratelimit-reset`
+(whole seconds until the oldest request in the window leaves it). `spend(n)` takes n requests
+of the window as another client on the same API key would. `emails()` counts accepted emails
+per (recipient, subject): the tests' subjects name the slot.
 """
 
 from __future__ import annotations
@@ -75,16 +79,11 @@ class Request:
 
 
 class Provider:
-    def __init__(
-        self, *, delay: float = 0.0, rate: float | None = None, rate_slack: float = 0.05
-    ) -> None:
+    def __init__(self, *, delay: float = 0.0, rate: float | None = None) -> None:
         self.delay = delay
-        # Requests per second (None: unlimited). `rate_slack` seconds of tolerance: a client
-        # pacing itself at exactly the rate sees its requests arrive with a few ms of jitter.
+        # Requests per second (None: unlimited), in any one-second window; no slack.
         self.rate = rate
-        self.rate_slack = rate_slack
-        self._tokens = float(rate or 0)
-        self._tokens_at = time.monotonic()
+        self._taken: deque[float] = deque()  # arrival times of requests in the window
         self.limited = 0  # requests answered 429 by the rate limit
         self._batches: dict[str, tuple[bytes, int, str]] = {}  # key -> (body, status, answer)
         self._emails: Counter[tuple[str, str]] = Counter()
@@ -267,6 +266,7 @@ class Provider:
         with self._lock:
             self._in_flight += 1
             wait = self._rate_limited(received)
+            extra.update(self._rate_headers(received))
             busy = wait is None and key is not None and self._in_progress[key] > 0
             if wait is not None:
                 self.limited += 1
@@ -322,17 +322,37 @@ class Provider:
             extra["Retry-After"] = reply.retry_after
         return status, extra, text.encode()
 
+    def spend(self, count: int) -> None:
+        """Take `count` requests of the current window, as another client on the same API
+        key would (they are not recorded as requests)."""
+        with self._lock:
+            self._taken.extend([time.monotonic()] * count)
+
+    def _limit(self) -> int:
+        return max(1, int(self.rate or 1))
+
     def _rate_limited(self, now: float) -> float | None:
-        """With the lock held: None if the request may pass (a token is taken), else the
-        seconds until one is there."""
+        """With the lock held: None if the request may pass (it is counted in the window),
+        else the seconds until the oldest request in the window leaves it."""
         if self.rate is None:
             return None
-        self._tokens = min(self.rate, self._tokens + (now - self._tokens_at) * self.rate)
-        self._tokens_at = now
-        if self._tokens >= 1.0 - self.rate_slack * self.rate:
-            self._tokens -= 1.0
+        while self._taken and self._taken[0] <= now - 1.0:
+            self._taken.popleft()
+        if len(self._taken) < self._limit():
+            self._taken.append(now)
             return None
-        return (1.0 - self._tokens) / self.rate
+        return self._taken[0] + 1.0 - now
+
+    def _rate_headers(self, now: float) -> dict[str, str]:
+        """With the lock held, after `_rate_limited`: Resend's headers for this answer."""
+        if self.rate is None:
+            return {}
+        reset = math.ceil(self._taken[0] + 1.0 - now) if self._taken else 0
+        return {
+            "ratelimit-limit": str(self._limit()),
+            "ratelimit-remaining": str(max(0, self._limit() - len(self._taken))),
+            "ratelimit-reset": str(reset),
+        }
 
     def _accept_batch(self, key: str | None, body: bytes, validation: str) -> tuple[int, str, int]:
         """Resend's batch rules, with the lock held: (status, answer, emails delivered)."""
