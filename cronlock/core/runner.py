@@ -139,7 +139,9 @@ class Runner:
         self.local[local] = None
         handed_off = False
         try:
-            if trigger == "scheduled" and self.probe_keys:
+            # A dispatched row was just claimed for this run: what the probe would skip
+            # (paused, running, attempted) is decided under the lock anyway, one round trip less.
+            if trigger == "scheduled" and self.probe_keys and planned is None:
                 skipped = await self._probe(job, key, source)
                 if skipped is not None:
                     return skipped
