@@ -23,12 +23,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from cronlock.core import pause as pause_state
+from cronlock.core import schedules as dynamic
 from cronlock.core.jobs import MAX_KEY_LENGTH, Registry, parse_params
 from cronlock.core.outcome import answer
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.delivery import outbox
-from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
+from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidSchedule, InvalidTrigger
 from cronlock.inputs import BIGINT_MAX, text_problem, timestamp_problem
 from cronlock.ops import views as ops
 from cronlock.settings import Settings
@@ -64,7 +65,11 @@ NOTICES = {
     "skipped-running": "Not started: the job is already running.",
     "paused": "Paused.",
     "resumed": "Resumed.",
+    "schedule-paused": "Schedule paused.",
+    "schedule-resumed": "Schedule resumed from its next tick.",
 }
+# A dynamic job's schedules listed on its page at once (then "More schedules").
+SCHEDULES_PAGE = 50
 WINDOW_DAYS = (1, 2, 7, 14)
 
 router = APIRouter(include_in_schema=False)
@@ -263,6 +268,8 @@ async def job_page(request: Request, name: str) -> Response:
         days = _positive(q.get("days"), "window") or 2
         if days not in WINDOW_DAYS:
             raise Refused(422, "Invalid window: 1, 2, 7 or 14 days.")
+        prefix = _key(q.get("prefix"), "key prefix") or ""
+        after = _key(q.get("after"), "schedules cursor") or ""
         async with db.connection() as conn:
             await ops.sweep(conn, settings, name)
             async with ops.reading(conn):
@@ -280,6 +287,12 @@ async def job_page(request: Request, name: str) -> Response:
                     held=held,
                 )
                 recent = await ops.runs(conn, registry, job=name, limit=500, held=held)
+                rows = None
+                if job.dynamic:
+                    api = dynamic.Schedules(lambda: registry, settings)
+                    rows = await api.list(
+                        conn, name, prefix=prefix, after=after, limit=SCHEDULES_PAGE + 1
+                    )
         [row] = view.jobs
         line = timeline.build(job, recent.runs, view.now, days, complete=recent.next is None)
         filters = {"status": status or "", "key": key or "", "days": str(days)}
@@ -297,7 +310,68 @@ async def job_page(request: Request, name: str) -> Response:
             statuses=ops.RUN_STATUSES,
             windows=WINDOW_DAYS,
             line=line,
+            schedules=_schedules(rows, prefix),
         )
+
+    return await _guarded(request, render)
+
+
+def _schedules(rows: list[dynamic.Row] | None, prefix: str) -> dict[str, Any] | None:
+    """A dynamic job's schedules for its page: a page of rows, the search, the next page's
+    query (keyset, by key)."""
+    if rows is None:
+        return None
+    more = len(rows) > SCHEDULES_PAGE
+    rows = rows[:SCHEDULES_PAGE]
+    return {
+        "rows": [
+            {"row": r, "local": r.to_json()["next_at_local"], "next_at": r.next_at} for r in rows
+        ],
+        "prefix": prefix,
+        "more": urlencode({"prefix": prefix, "after": rows[-1].key}) if more else None,
+    }
+
+
+@router.post("/jobs/{name}/schedules/pause")
+async def pause_schedule(request: Request, name: str) -> Response:
+    return await _schedule_action(request, name, "pause")
+
+
+@router.post("/jobs/{name}/schedules/resume")
+async def resume_schedule(request: Request, name: str) -> Response:
+    return await _schedule_action(request, name, "resume")
+
+
+async def _schedule_action(request: Request, name: str, action: str) -> Response:
+    """Pause or resume one key's schedule of a dynamic job (cronlock/core/schedules.py)."""
+
+    async def render() -> Response:
+        db, registry, settings = _state(request)
+        current, fields = await acting(request)
+        job = registry.get(name)
+        if job is None or not job.dynamic:
+            raise Refused(404, "No such dynamic job.")
+        text = _key(fields.get("key"), "key")
+        if text is None:
+            raise Refused(422, "Invalid key: it is missing.")
+        api = dynamic.Schedules(lambda: registry, settings)
+        key = dynamic.key_from_text(job, text)
+        async with db.connection() as conn, ops.reading(conn):
+            try:
+                if action == "pause":
+                    done = await api.pause(conn, name, key)
+                else:
+                    done = await api.resume(conn, name, key)
+            except InvalidSchedule as exc:
+                raise Refused(422, f"Invalid {'.'.join(exc.loc) or 'key'}: {exc.reason}") from None
+            if done is None:
+                raise Refused(404, "No such schedule.")
+            await session.record(conn, settings, current, f"schedule-{action}", name, key=text)
+        query = {
+            "prefix": fields.get("prefix", "")[:MAX_KEY_LENGTH],
+            "notice": f"schedule-{action}d",
+        }
+        return RedirectResponse(f"{_root(request)}/jobs/{name}?{urlencode(query)}", 303)
 
     return await _guarded(request, render)
 
