@@ -151,6 +151,7 @@ def start_instances(
         SCHEDULER_ENABLED="true",
         SCHEDULER_CONCURRENCY=str(args.concurrency),
         DB_POOL_MAX_SIZE=str(2 * args.concurrency + 4),
+        DB_STATEMENT_CACHE_SIZE=str(args.statement_cache),
         LOG_SKIPS="false",
     )
     started: list[PinnedInstance] = []
@@ -302,7 +303,15 @@ async def floor_round(
     dsn = server.dsn(await create_database(server, template=template))
     size = args.instances * (2 * args.concurrency + 1)
     # No reset on release (asyncpg's default is a round trip): the product's pool has none.
-    pool = await asyncpg.create_pool(dsn, min_size=size, max_size=size, reset=_no_reset)
+    # The product's statement cache too (0 by default: PgBouncer-safe, a Parse round trip more
+    # per statement).
+    pool = await asyncpg.create_pool(
+        dsn,
+        min_size=size,
+        max_size=size,
+        reset=_no_reset,
+        statement_cache_size=args.statement_cache,
+    )
     assert pool is not None
     try:
         async with pool.acquire() as conn:
@@ -436,7 +445,8 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
     before, after = out["load"]
     print(
         f"{args.schedules:,} schedules, {args.due:,} due, {args.instances} instances x "
-        f"SCHEDULER_CONCURRENCY={args.concurrency}; load average before "
+        f"SCHEDULER_CONCURRENCY={args.concurrency}, DB_STATEMENT_CACHE_SIZE="
+        f"{args.statement_cache}; load average before "
         f"{' '.join(f'{x:.2f}' for x in before)}, after {' '.join(f'{x:.2f}' for x in after)}; "
         f"nproc {out['machine']['nproc']}, PostgreSQL {out['machine']['postgresql']}\n"
     )
@@ -569,6 +579,12 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--statement-cache",
+        type=int,
+        default=0,
+        help="DB_STATEMENT_CACHE_SIZE of the instances and the floor's (0: cronlock's default)",
+    )
     parser.add_argument("--idle-small", type=int, default=10_000)
     parser.add_argument("--idle-large", type=int, default=1_000_000)
     parser.add_argument("--idle-rounds", type=int, default=5)
