@@ -29,7 +29,7 @@ from cronlock.core.outcome import answer
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.delivery import outbox
-from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidSchedule, InvalidTrigger
+from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
 from cronlock.inputs import BIGINT_MAX, text_problem, timestamp_problem
 from cronlock.ops import views as ops
 from cronlock.settings import Settings
@@ -330,50 +330,6 @@ def _schedules(rows: list[dynamic.Row] | None, prefix: str) -> dict[str, Any] | 
         "prefix": prefix,
         "more": urlencode({"prefix": prefix, "after": rows[-1].key}) if more else None,
     }
-
-
-@router.post("/jobs/{name}/schedules/pause")
-async def pause_schedule(request: Request, name: str) -> Response:
-    return await _schedule_action(request, name, "pause")
-
-
-@router.post("/jobs/{name}/schedules/resume")
-async def resume_schedule(request: Request, name: str) -> Response:
-    return await _schedule_action(request, name, "resume")
-
-
-async def _schedule_action(request: Request, name: str, action: str) -> Response:
-    """Pause or resume one key's schedule of a dynamic job (cronlock/core/schedules.py)."""
-
-    async def render() -> Response:
-        db, registry, settings = _state(request)
-        current, fields = await acting(request)
-        job = registry.get(name)
-        if job is None or not job.dynamic:
-            raise Refused(404, "No such dynamic job.")
-        text = _key(fields.get("key"), "key")
-        if text is None:
-            raise Refused(422, "Invalid key: it is missing.")
-        api = dynamic.Schedules(lambda: registry, settings)
-        key = dynamic.key_from_text(job, text)
-        async with db.connection() as conn, ops.reading(conn):
-            try:
-                if action == "pause":
-                    done = await api.pause(conn, name, key)
-                else:
-                    done = await api.resume(conn, name, key)
-            except InvalidSchedule as exc:
-                raise Refused(422, f"Invalid {'.'.join(exc.loc) or 'key'}: {exc.reason}") from None
-            if done is None:
-                raise Refused(404, "No such schedule.")
-            await session.record(conn, settings, current, f"schedule-{action}", name, key=text)
-        query = {
-            "prefix": fields.get("prefix", "")[:MAX_KEY_LENGTH],
-            "notice": f"schedule-{action}d",
-        }
-        return RedirectResponse(f"{_root(request)}/jobs/{name}?{urlencode(query)}", 303)
-
-    return await _guarded(request, render)
 
 
 @router.post("/jobs/{name}/run")
