@@ -4,6 +4,7 @@ pages, the actions. The browser's view of it is tests/test_ui_browser.py."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -11,9 +12,11 @@ import asyncpg
 import httpx
 import pytest
 
+from cronlock import Cronlock
 from cronlock.core.jobs import Job
 from cronlock.core.schedule import Schedule
 from cronlock.ops.views import RunView
+from cronlock.settings import Settings
 from cronlock.web.ui import timeline, words
 from cronlock.web.ui.session import CSP
 from tests.support import TEST_SECRET, auth_headers
@@ -680,3 +683,62 @@ async def test_a_lease_job_page_says_its_lease(start_app: StartApp) -> None:
         assert page.status_code == 200
         assert "<dt>Lease</dt>" in page.text
         assert (await user.http.get("/ui/")).status_code == 200
+
+
+async def test_a_dynamic_jobs_page_lists_its_schedules(
+    start_app: StartApp, db: asyncpg.Connection, make_settings: Callable[..., Settings]
+) -> None:
+    """Its schedules by key, searched by prefix, each next tick in its key's zone, its last
+    run, pause and resume (for a session that may act), all escaped."""
+    jobs = "tests.dynamic_jobs"
+    app = await start_app("app", cron_jobs=jobs, cron_read_token=READ_TOKEN, ui_cookie_secure=False)
+    cron = Cronlock(make_settings(cron_jobs=jobs), housekeeping=False)
+    async with db.transaction():
+        for key in (1, 12, 13, 2):
+            await cron.schedules.set(
+                db, "tenant-report", key, schedule="0 9 * * 1-5", tz="America/New_York"
+            )
+        await cron.schedules.set(db, "user-digest", HOSTILE, every=60)
+    run_id = await db.fetchval(
+        "INSERT INTO cronlock.runs (job, key, slot, status, trigger, instance)"
+        " VALUES ('tenant-report', '2', now(), 'succeeded', 'scheduled', 'x') RETURNING id"
+    )
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        page = (await user.http.get("/ui/jobs/tenant-report")).text
+        assert page.count('data-schedule="') == 4
+        assert "T09:00:00-0" in page  # 09:00 in New York, with its offset
+        assert f'href="/ui/runs/{run_id}"' in page
+        assert 'data-action="schedule-pause"' in page
+        found = (await user.http.get("/ui/jobs/tenant-report?prefix=1")).text
+        assert found.count('data-schedule="') == 3
+        assert 'data-schedule="2"' not in found
+        r = await user.act("/ui/jobs/tenant-report/schedules/pause", key="12", prefix="1")
+        assert r.status_code == 303
+        assert r.headers["location"] == "/ui/jobs/tenant-report?prefix=1&notice=schedule-paused"
+        row = await cron.schedules.get(db, "tenant-report", 12)
+        assert row is not None
+        assert row.paused
+        assert 'data-action="schedule-resume"' in (await user.http.get(r.headers["location"])).text
+        r = await user.act("/ui/jobs/tenant-report/schedules/resume", key="12")
+        assert r.headers["location"] == "/ui/jobs/tenant-report?prefix=&notice=schedule-resumed"
+        row = await cron.schedules.get(db, "tenant-report", 12)
+        assert row is not None
+        assert not row.paused
+        for text, status in (("99", 404), ("x", 422), ("", 422)):
+            r = await user.act("/ui/jobs/tenant-report/schedules/pause", key=text)
+            assert r.status_code == status, text
+        r = await user.act("/ui/jobs/keyed-by-hand/schedules/pause", key="1")
+        assert r.status_code == 404
+        hostile = (await user.http.get("/ui/jobs/user-digest")).text
+        assert RAW not in hostile
+        assert hostile.count('data-schedule="') == 1
+        # Not dynamic: no schedules section.
+        assert "Schedules</h2>" not in (await user.http.get("/ui/jobs/keyed-by-hand")).text
+    async with User(app) as reader:
+        await reader.login(READ_TOKEN)
+        page = (await reader.http.get("/ui/jobs/tenant-report")).text
+        assert page.count('data-schedule="') == 4
+        assert "schedule-pause" not in page
+    actions = await db.fetch("SELECT action, detail FROM cronlock.ui_actions ORDER BY id")
+    assert [a["action"] for a in actions] == ["schedule-pause", "schedule-resume"]

@@ -173,8 +173,11 @@ class Runner:
         self.local[local] = None
         handed_off = False
         try:
-            # A delivery with a message id goes to the lock: its "already done" names a run.
-            if trigger == "scheduled" and self.probe_keys and message_id is None:
+            # A delivery with a message id goes to the lock: its "already done" names a run. A
+            # dispatched row was just claimed for this run: what the probe would skip (paused,
+            # running, attempted) is decided under the lock anyway, one round trip less.
+            probing = message_id is None and planned is None
+            if trigger == "scheduled" and self.probe_keys and probing:
                 skipped = await self._probe(job, key, source)
                 if skipped is not None:
                     return skipped

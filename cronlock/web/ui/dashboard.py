@@ -39,7 +39,7 @@ from cronlock.errors import DatabaseUnavailable
 from cronlock.ops.views import reading
 from cronlock.web.answers import Refused as NotRunning
 from cronlock.web.auth import route_path
-from cronlock.web.ui import pages, session
+from cronlock.web.ui import pages, schedules, session
 from cronlock.web.ui.session import NO_STORE, SECURITY_HEADERS, Session
 
 if TYPE_CHECKING:
@@ -165,6 +165,7 @@ def _pages() -> FastAPI:
         Mount(STATIC.rstrip("/"), StaticFiles(packages=[("cronlock.web.ui", "static")]))
     )
     app.include_router(pages.router)
+    app.include_router(schedules.router)
     return app
 
 

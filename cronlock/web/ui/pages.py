@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from cronlock.core import pause as pause_state
+from cronlock.core import schedules as dynamic
 from cronlock.core.jobs import MAX_KEY_LENGTH, Registry, parse_params
 from cronlock.core.outcome import answer
 from cronlock.core.runner import Runner
@@ -64,7 +65,11 @@ NOTICES = {
     "skipped-running": "Not started: the job is already running.",
     "paused": "Paused.",
     "resumed": "Resumed.",
+    "schedule-paused": "Schedule paused.",
+    "schedule-resumed": "Schedule resumed from its next tick.",
 }
+# A dynamic job's schedules listed on its page at once (then "More schedules").
+SCHEDULES_PAGE = 50
 WINDOW_DAYS = (1, 2, 7, 14)
 
 router = APIRouter(include_in_schema=False)
@@ -263,6 +268,8 @@ async def job_page(request: Request, name: str) -> Response:
         days = _positive(q.get("days"), "window") or 2
         if days not in WINDOW_DAYS:
             raise Refused(422, "Invalid window: 1, 2, 7 or 14 days.")
+        prefix = _key(q.get("prefix"), "key prefix") or ""
+        after = _key(q.get("after"), "schedules cursor") or ""
         async with db.connection() as conn:
             await ops.sweep(conn, settings, name)
             async with ops.reading(conn):
@@ -280,6 +287,12 @@ async def job_page(request: Request, name: str) -> Response:
                     held=held,
                 )
                 recent = await ops.runs(conn, registry, job=name, limit=500, held=held)
+                rows = None
+                if job.dynamic:
+                    api = dynamic.Schedules(lambda: registry, settings)
+                    rows = await api.list(
+                        conn, name, prefix=prefix, after=after, limit=SCHEDULES_PAGE + 1
+                    )
         [row] = view.jobs
         line = timeline.build(job, recent.runs, view.now, days, complete=recent.next is None)
         filters = {"status": status or "", "key": key or "", "days": str(days)}
@@ -297,9 +310,26 @@ async def job_page(request: Request, name: str) -> Response:
             statuses=ops.RUN_STATUSES,
             windows=WINDOW_DAYS,
             line=line,
+            schedules=_schedules(rows, prefix),
         )
 
     return await _guarded(request, render)
+
+
+def _schedules(rows: list[dynamic.Row] | None, prefix: str) -> dict[str, Any] | None:
+    """A dynamic job's schedules for its page: a page of rows, the search, the next page's
+    query (keyset, by key)."""
+    if rows is None:
+        return None
+    more = len(rows) > SCHEDULES_PAGE
+    rows = rows[:SCHEDULES_PAGE]
+    return {
+        "rows": [
+            {"row": r, "local": r.to_json()["next_at_local"], "next_at": r.next_at} for r in rows
+        ],
+        "prefix": prefix,
+        "more": urlencode({"prefix": prefix, "after": rows[-1].key}) if more else None,
+    }
 
 
 @router.post("/jobs/{name}/run")
