@@ -49,18 +49,21 @@ LOOP_WAIT = 1
 RETRY_TIMEOUT = 5
 
 
-def interpreter() -> str:
+def interpreter() -> list[str]:
     """A Python the service user can run (Patroni runs as `postgres` when we are root, as
     PostgreSQL must): this one, unless it lives where that user cannot reach (a pyenv under
-    /root), then the system's of the same version, which reads our packages (PYTHONPATH)."""
+    /root), then the system's of the same version, which reads our packages (PYTHONPATH).
+    That one runs with `-S`: without its own site-packages, whose Debian packages (pyOpenSSL
+    23, built for Debian's cryptography 38) would meet ours (a newer cryptography, which
+    google-auth brings) and fail at import inside python-etcd."""
     system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
     if (
         os.geteuid() == 0
         and not str(Path(sys.executable).resolve()).startswith("/usr/")
         and (system.is_file())
     ):
-        return str(system)
-    return sys.executable
+        return [str(system), "-S"]
+    return [sys.executable]
 
 
 def site_packages() -> str:
@@ -77,7 +80,7 @@ def available() -> str | None:
         return "no PostgreSQL server binaries"
     # Patroni runs as the service user: it must reach an interpreter and our packages.
     probe = subprocess.run(
-        [interpreter(), "-c", "import patroni, psycopg, yaml"],
+        [*interpreter(), "-c", "import patroni, psycopg, yaml"],
         env=patroni_env(Path(tempfile.gettempdir())),
         cwd=tempfile.gettempdir(),
         capture_output=True,
@@ -247,7 +250,7 @@ class Node:
         with self.log_path.open("ab") as log:
             chown_to_service(self.log_path)
             self._process = subprocess.Popen(
-                [interpreter(), "-m", "patroni", str(path)],
+                [*interpreter(), "-m", "patroni", str(path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
