@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 from types import TracebackType
+from typing import Any
 
 import asyncpg
 
@@ -72,7 +73,23 @@ class TransactionRequired(CronlockError):
 
 
 class InvalidTrigger(CronlockError):
-    """A trigger's parameters are wrong (bad backfill slot, bad params); answered as 422."""
+    """A trigger's parameters are wrong (bad backfill slot, bad params); answered as 422.
+
+    `detail` is always the documented list of `{"loc", "msg", "type"}`: pydantic's errors as
+    they are, or one problem made from a text (with `loc` where the caller knows it)."""
+
+    def __init__(self, detail: str | list[dict[str, Any]], loc: tuple[str, ...] = ()) -> None:
+        if isinstance(detail, str):
+            detail = [{"loc": list(loc), "msg": detail, "type": "value_error"}]
+        super().__init__(detail)
+        self.detail: list[dict[str, Any]] = detail
+
+    def __str__(self) -> str:
+        """The problems as one line (the CLI's, a log's): `loc: msg; ...`."""
+        return "; ".join(
+            ": ".join(filter(None, (".".join(map(str, e.get("loc", ()))), str(e.get("msg", "")))))
+            for e in self.detail
+        )
 
 
 class LeaseLost(CronlockError):

@@ -106,7 +106,7 @@ async def test_trigger_values_the_database_cannot_store_are_422_and_run_nothing(
     assert r.status_code == 422, r.text
     assert r.json() == {
         "error": "invalid trigger",
-        "detail": "body is not valid JSON: nested too deeply",
+        "detail": [{"loc": [], "msg": "Invalid JSON: nested too deeply", "type": "json_invalid"}],
     }
     # A slot whose instant in UTC is past year 9999.
     r = await api.post("/cron/yearly", params={"slot": "9999-12-31T23:59:00-01:00"})

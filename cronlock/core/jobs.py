@@ -23,6 +23,7 @@ a savepoint, never the lock's transaction (cronlock/db/orm.py, docs/orm.md).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, Unpack, cast
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cronlock.core.schedule import Interval, Schedule, ScheduleError, Slots
 from cronlock.db.lock import LockKey, lock_key, lock_text
@@ -547,7 +548,13 @@ def _import_problem(module: str, exc: ImportError) -> str:
 
 
 def parse_params(job: Job, body: bytes) -> Any:
-    """The job's validated params from the JSON body (InvalidTrigger for 422)."""
+    """The job's validated params from the JSON body (InvalidTrigger for 422).
+
+    The one rule for HTTP, the CLI's `--params` and the dashboard's Run now: a field the model
+    does not declare is refused by name (a typo such as `dryrun` for `dry_run` must not run the
+    real job with the default), unless the model itself says what to do with extras (`extra` in
+    its `model_config`); a job without params takes no body but an empty one (or `{}`).
+    """
     # No body is no params (the defaults); a body of `null` is not the object the document
     # asks for, and is refused like any other.
     data: Any = {}
@@ -555,12 +562,15 @@ def parse_params(job: Job, body: bytes) -> Any:
         try:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidTrigger(f"body is not valid JSON: {exc}") from exc
+            raise InvalidTrigger(_not_json(str(exc))) from exc
         except RecursionError as exc:  # "[[[[...": within MAX_BODY_BYTES, deeper than Python
-            raise InvalidTrigger("body is not valid JSON: nested too deeply") from exc
+            raise InvalidTrigger(_not_json("nested too deeply")) from exc
     if job.params is None:
+        if data != {}:
+            raise InvalidTrigger(_no_params(job.name, data))
         return None
     try:
+        _strict(job.params).model_validate(data)
         params = job.params.model_validate(data)
     except ValidationError as exc:
         raise InvalidTrigger(
@@ -575,6 +585,30 @@ def parse_params(job: Job, body: bytes) -> Any:
     if job.key is not None:
         _check_key_value(job.key, getattr(params, job.key))
     return params
+
+
+def _not_json(why: str) -> list[dict[str, Any]]:
+    return [{"loc": [], "msg": f"Invalid JSON: {why}", "type": "json_invalid"}]
+
+
+def _no_params(name: str, data: Any) -> list[dict[str, Any]]:
+    """A body for a job that declares no params: each field named, or the body as a whole."""
+    msg = f"Extra inputs are not permitted: job {name!r} takes no params"
+    if isinstance(data, dict):
+        return [{"loc": [key], "msg": msg, "type": "extra_forbidden"} for key in data]
+    return [{"loc": [], "msg": msg, "type": "extra_forbidden"}]
+
+
+@functools.cache
+def _strict(model: type[BaseModel]) -> type[BaseModel]:
+    """`model`, refusing fields it does not declare, unless its config says otherwise.
+
+    Only validates (the job gets an instance of its own model); pydantic names each unknown
+    field in an `extra_forbidden` error. A model that sets `extra` (`allow`, `ignore`) chose.
+    """
+    if "extra" in model.model_config:
+        return model
+    return type(model.__name__, (model,), {"model_config": ConfigDict(extra="forbid")})
 
 
 def _check_key_value(field_name: str, value: Any) -> None:

@@ -247,17 +247,25 @@ class Runner:
 
     def _check_backfill_slot(self, job: Job, slot: datetime, force: bool) -> None:
         if force:
-            raise InvalidTrigger("force and slot cannot be combined")
+            raise InvalidTrigger("force and slot cannot be combined", ("slot",))
         if job.schedule is None:
-            raise InvalidTrigger(f"job {job.name!r} has no schedule: there is no slot to backfill")
+            raise InvalidTrigger(
+                f"job {job.name!r} has no schedule: there is no slot to backfill", ("slot",)
+            )
         if slot.tzinfo is None:
-            raise InvalidTrigger("slot needs a time zone offset, e.g. 2026-01-01T07:00:00Z")
+            raise InvalidTrigger(
+                "slot needs a time zone offset, e.g. 2026-01-01T07:00:00Z", ("slot",)
+            )
         try:
             tick = job.schedule.is_tick(slot)
         except (OverflowError, ValueError) as exc:  # at the ends of the calendar (year 1, 9999)
-            raise InvalidTrigger(f"{slot.isoformat()} is out of the schedule's range") from exc
+            raise InvalidTrigger(
+                f"{slot.isoformat()} is out of the schedule's range", ("slot",)
+            ) from exc
         if not tick:
-            raise InvalidTrigger(f"{slot.isoformat()} is not a tick of {job.schedule.expr!r}")
+            raise InvalidTrigger(
+                f"{slot.isoformat()} is not a tick of {job.schedule.expr!r}", ("slot",)
+            )
 
     async def _acquire(
         self,
@@ -377,10 +385,11 @@ class Runner:
         if trigger == "backfill":
             assert backfill is not None
             if backfill > now:
-                raise InvalidTrigger("a backfill slot must be in the past")
+                raise InvalidTrigger("a backfill slot must be in the past", ("slot",))
             if (now - backfill).total_seconds() > self.settings.backfill_window:
                 raise InvalidTrigger(
-                    f"slot is older than the backfill window ({self.settings.backfill_window} s)"
+                    f"slot is older than the backfill window ({self.settings.backfill_window} s)",
+                    ("slot",),
                 )
             slot = backfill
         else:

@@ -77,7 +77,7 @@ def trigger_handler(job: Job) -> Callable[[Request], Coroutine[Any, Any, Respons
                 job, force=query.force, slot=query.slot, params=params, wait=query.wait
             )
         except InvalidTrigger as exc:
-            return error(422, "invalid trigger", detail=exc.args[0])
+            return error(422, "invalid trigger", detail=exc.detail)
         except InvalidInput as exc:
             return invalid_input(exc)
         except DatabaseUnavailable as exc:

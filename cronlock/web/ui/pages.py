@@ -316,7 +316,7 @@ async def run_now(request: Request, name: str) -> Response:
             params = parse_params(job, text.encode())
             outcome = await runner.trigger(job, force=True, params=params, wait=False, source="ui")
         except InvalidTrigger as exc:
-            raise Refused(422, f"Invalid params: {_problems(exc.args[0])}") from None
+            raise Refused(422, f"Invalid params: {exc}") from None
         except InvalidInput as exc:
             raise Refused(422, f"Invalid params: {exc.reason}") from None
         status, _ = answer(outcome)
@@ -362,14 +362,6 @@ async def cancel(request: Request, name: str) -> Response:
         return back(request, f"/jobs/{name}", notice)
 
     return await _guarded(request, render)
-
-
-def _problems(detail: Any) -> str:
-    if isinstance(detail, list):
-        return "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in detail
-        )
-    return str(detail)
 
 
 def _key(text: str | None, what: str) -> str | None:
@@ -425,7 +417,7 @@ async def pause(request: Request, name: str) -> Response:
                     until=until,
                 )
             except InvalidTrigger as exc:
-                raise Refused(422, f"Not paused: {_problems(exc.args[0])}") from None
+                raise Refused(422, f"Not paused: {exc}") from None
             await session.record(conn, settings, current, "pause", name, note=note, until=until)
         return back(request, f"/jobs/{name}", "paused")
 
