@@ -12,7 +12,8 @@ import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from cronlock.core.jobs import define, parse_params
+from cronlock.core.jobs import define
+from cronlock.core.params import parse_params
 from cronlock.errors import InvalidTrigger
 from cronlock.service import create_app
 from cronlock.settings import Settings

@@ -22,8 +22,9 @@ from cronlock.cli.common import (
     translated,
 )
 from cronlock.core import catchup
-from cronlock.core.jobs import Registry, parse_params
+from cronlock.core.jobs import Registry
 from cronlock.core.outcome import answer
+from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.errors import DatabaseUnavailable, InvalidTrigger, JobDefinitionError

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from cronlock.core import cancel, ledger, pause
+from cronlock.core.failure import failure_of
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, call
 from cronlock.core.lease_runner import LeaseRunner
 from cronlock.core.outcome import Kind, Outcome
@@ -40,7 +41,7 @@ from cronlock.errors import (
     describe,
     translate,
 )
-from cronlock.settings import Settings
+from cronlock.settings import Settings, scrub
 
 if TYPE_CHECKING:
     from cronlock.core.metrics import Metrics
@@ -469,8 +470,12 @@ class Runner:
                 else:
                     return await self._commit(lease, result, source)
             status: Kind = "cancelled" if _cancelled_by_operator(error) else "failed"
-            await self._rollback(lease, status, f"{type(error).__name__}: {error}"[:2000])
-            return self._outcome(lease, status, source, reason=str(error)[:200])
+            secrets = self.settings.secret_values()
+            failure = failure_of(error, secrets) if status == "failed" else None
+            line = scrub(f"{type(error).__name__}: {error}", secrets)[:2000]
+            await self._rollback(lease, status, line, failure)
+            reason = scrub(str(error), secrets)[:200]
+            return self._outcome(lease, status, source, reason=reason, failure=failure)
         finally:
             self.local.pop((job.name, ctx.key), None)
             try:
@@ -507,13 +512,15 @@ class Runner:
             )
         return self._outcome(lease, "succeeded", source, processed=result, duration=duration)
 
-    async def _rollback(self, lease: _Lease, status: str, error: str) -> None:
+    async def _rollback(
+        self, lease: _Lease, status: str, error: str, failure: dict[str, Any] | None = None
+    ) -> None:
         try:
             with deadline(lease.conn, self.settings.db_query_timeout):
                 await lease.tx.rollback()
         except Exception:  # the connection is gone: the server rolled back for us
             terminate(lease.conn)
-        await self._record(lease.ctx.run_id, status, error)
+        await self._record(lease.ctx.run_id, status, error, failure)
 
     async def _abort(self, lease: _Lease, task: asyncio.Task[Any], status: str, error: str) -> None:
         # Closing the socket ends the transaction server-side at once (and, with
@@ -525,10 +532,12 @@ class Runner:
             await asyncio.wait({task}, timeout=1.0)
         await asyncio.shield(self._record(lease.ctx.run_id, status, error))
 
-    async def _record(self, run_id: int, status: str, error: str) -> None:
+    async def _record(
+        self, run_id: int, status: str, error: str, failure: dict[str, Any] | None = None
+    ) -> None:
         try:
             async with self.db.connection() as conn:
-                await ledger.finish(conn, self.settings.db_schema, run_id, status, error)
+                await ledger.finish(conn, self.settings.db_schema, run_id, status, error, failure)
         except Exception as exc:
             # The row stays `running` and is closed as `abandoned` once its lock is seen gone.
             log.warning("could not record run %s as %s: %s", run_id, status, describe(exc))
@@ -543,6 +552,7 @@ class Runner:
         duration: float | None = None,
         reason: str | None = None,
         commit_unknown: bool = False,
+        failure: dict[str, Any] | None = None,
     ) -> Outcome:
         return self.finished(
             lease.ctx,
@@ -553,6 +563,7 @@ class Runner:
             duration=duration,
             reason=reason,
             commit_unknown=commit_unknown,
+            failure=failure,
         )
 
     def finished(
@@ -566,6 +577,7 @@ class Runner:
         duration: float | None = None,
         reason: str | None = None,
         commit_unknown: bool = False,
+        failure: dict[str, Any] | None = None,
     ) -> Outcome:
         """The outcome of a run that took the lock (or a lease), logged and counted once; the
         duration defaults to the time since `started` (monotonic)."""
@@ -582,6 +594,7 @@ class Runner:
             ctx.trigger,
             ctx.key,
             commit_unknown=commit_unknown,
+            failure=failure,
         )
         self.log_outcome(outcome, source)
         return outcome
@@ -605,6 +618,9 @@ class Runner:
         # metrics.
         routine = outcome.kind == "skipped" and outcome.reason in ROUTINE_SKIPS
         level = logging.DEBUG if routine and not self.settings.log_skips else logging.INFO
+        failure = outcome.failure or {}
+        if failure:
+            level = logging.ERROR  # a job that raised: someone should read its traceback
         if self.metrics is not None:
             self.metrics.observe(outcome)
         if not log.isEnabledFor(level):
@@ -626,6 +642,8 @@ class Runner:
                 "instance": self.settings.instance_name,
                 "trigger": outcome.trigger,
                 "source": source,
+                "error_type": failure.get("type"),
+                "traceback": failure.get("traceback"),
             },
         )
 

@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cronlock.core.jobs import RESERVED_NAMES, Job, Registry, parse_params
+from cronlock.core.jobs import RESERVED_NAMES, Job, Registry
 from cronlock.core.outcome import Outcome, answer
+from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
 from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
 from cronlock.inputs import check_timestamp

@@ -23,8 +23,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from cronlock.core import pause as pause_state
-from cronlock.core.jobs import MAX_KEY_LENGTH, Registry, parse_params
+from cronlock.core.jobs import MAX_KEY_LENGTH, Registry
 from cronlock.core.outcome import answer
+from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.delivery import outbox
