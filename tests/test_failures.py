@@ -4,13 +4,16 @@ size and with the settings' secrets hidden. In-process, on a real database."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import httpx
 import pytest
 
+from cronlock.cli import main as cli
 from cronlock.core.failure import MAX_MESSAGE, MAX_TRACEBACK, failure_of
 from cronlock.settings import Settings, scrub
 from tests.failure_jobs import LEAK
@@ -113,3 +116,45 @@ async def test_a_long_failure_is_stored_bounded(
     assert len(run["failure"]["message"]) < MAX_MESSAGE + 100
     assert len(run["failure"]["traceback"]) < MAX_TRACEBACK + 100
     assert listed["runs"][0]["failure"] is None  # lists stay light
+
+
+# --- database errors say PostgreSQL's own words -------------------------------------------
+
+
+def _with(url: str, *, user: str | None = None, database: str | None = None) -> str:
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if user is not None:
+        netloc = f"{user}:not-the-password-9f8e@{netloc.rpartition('@')[2]}"
+    path = f"/{database}" if database is not None else parts.path
+    return urlunsplit(parts._replace(netloc=netloc, path=path))
+
+
+async def test_a_database_error_says_what_postgresql_said(
+    start_app: StartApp,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    nobody = _with(database_url, user="nobody")
+    missing = _with(database_url, database="no_such_db")
+    for url, words in (
+        (nobody, '28000: role "nobody" does not exist'),
+        (missing, '3D000: database "no_such_db" does not exist'),
+    ):
+        # The service's answer, its log, and the CLI's line carry the code and the message.
+        app = await start_app(f"app-{words[:5]}", database_url=url, migrate_on_start=False)
+        async with httpx.AsyncClient(transport=app.transport, base_url=app.url, headers=AUTH) as c:
+            r = await c.post("/cron/fast")
+        assert r.status_code == 503, r.text
+        assert words in r.json()["reason"], r.text
+        logged = " ".join(json.loads(line)["msg"] for line in app.log().splitlines())
+        assert words in logged, logged
+        monkeypatch.setenv("DATABASE_URL", url)
+        monkeypatch.setenv("CRON_JOBS", "tests.jobs")
+        capsys.readouterr()
+        assert await asyncio.to_thread(cli.main, ["runs"]) == 3
+        err = capsys.readouterr().err
+        assert words in err, err
+        for shown in (r.text, app.log(), err):
+            assert "not-the-password-9f8e" not in shown
