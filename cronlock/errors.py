@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 from types import TracebackType
+from typing import Any
 
 import asyncpg
 
@@ -77,7 +78,23 @@ class TransactionRequired(CronlockError):
 
 
 class InvalidTrigger(CronlockError):
-    """A trigger's parameters are wrong (bad backfill slot, bad params); answered as 422."""
+    """A trigger's parameters are wrong (bad backfill slot, bad params); answered as 422.
+
+    `detail` is always the documented list of `{"loc", "msg", "type"}`: pydantic's errors as
+    they are, or one problem made from a text (with `loc` where the caller knows it)."""
+
+    def __init__(self, detail: str | list[dict[str, Any]], loc: tuple[str, ...] = ()) -> None:
+        if isinstance(detail, str):
+            detail = [{"loc": list(loc), "msg": detail, "type": "value_error"}]
+        super().__init__(detail)
+        self.detail: list[dict[str, Any]] = detail
+
+    def __str__(self) -> str:
+        """The problems as one line (the CLI's, a log's): `loc: msg; ...`."""
+        return "; ".join(
+            ": ".join(filter(None, (".".join(map(str, e.get("loc", ()))), str(e.get("msg", "")))))
+            for e in self.detail
+        )
 
 
 class LeaseLost(CronlockError):
@@ -153,8 +170,28 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return f"network error: {exc.strerror or type(exc).__name__}"
     if isinstance(exc, asyncpg.PostgresError):
-        return f"database error {exc.sqlstate}"
+        return server_message(exc)
     return type(exc).__name__
+
+
+# A server message is one line of a reason, not a page.
+MAX_SERVER_MESSAGE = 300
+
+
+def server_message(exc: asyncpg.PostgresError) -> str:
+    """PostgreSQL's own words with the code (`28000: role "nobody" does not exist`), so a
+    person can act on them. Never a data exception's (class 22) message: that quotes the value
+    refused, which may be anything a request carried; and never DETAIL (it quotes key values).
+    The server never puts a password in a message."""
+    code = exc.sqlstate or "?????"
+    if isinstance(exc, asyncpg.DataError) or code.startswith("22"):
+        return refused(exc) if isinstance(exc, asyncpg.DataError) else f"data exception ({code})"
+    message = " ".join(str(getattr(exc, "message", None) or exc).split())
+    if not message:
+        return f"database error {code}"
+    if len(message) > MAX_SERVER_MESSAGE:
+        message = message[:MAX_SERVER_MESSAGE] + "..."
+    return f"{code}: {message}"
 
 
 # Everything `translate` turns into one of ours.
@@ -189,7 +226,7 @@ def translate(exc: BaseException, *, input_from: tuple[str, ...] | None = None) 
         return DatabaseUnavailable("migrations not applied (python -m cronlock migrate)")
     if input_from is not None and isinstance(exc, asyncpg.DataError):
         return InvalidInput(f"a value the database cannot take: {refused(exc)}", input_from)
-    return DatabaseUnavailable(f"database error: {describe(exc)}")
+    return DatabaseUnavailable(f"database error {describe(exc)}")
 
 
 def refused(exc: asyncpg.DataError) -> str:

@@ -36,10 +36,15 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = datetime.fromtimestamp(record.created).strftime("%H:%M:%S")
-        extras = " ".join(f"{k}={v}" for k, v in _fields(record).items())
+        fields = _fields(record)
+        # A failed run's traceback (cronlock/core/failure.py) reads as one below its line.
+        traceback = fields.pop("traceback", None)
+        extras = " ".join(f"{k}={v}" for k, v in fields.items())
         line = f"{stamp} {record.levelname:<7} {record.getMessage()}"
         if extras:
             line += f"  {extras}"
+        if traceback:
+            line += "\n" + str(traceback).rstrip("\n")
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

@@ -5,6 +5,7 @@ Timers are float seconds so tests can make them short.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -366,6 +367,37 @@ class Settings(BaseSettings):
     @property
     def listen_url(self) -> str | None:
         return self.database_direct_url or self.database_url
+
+    def secret_values(self) -> list[str]:
+        """Every secret these settings hold, as text: the tokens (CRON_SECRET_FILE's too), the
+        API and SMTP keys, the passwords of the database URLs (as given and decoded) and the
+        whole alert webhook URL (a Slack-style URL is its own credential). What `scrub` hides
+        in a failure's message and traceback before they are stored or logged."""
+        found: list[str] = []
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, SecretStr):
+                found.append(value.get_secret_value())
+        if self.cron_secret_file is not None:
+            # Unreadable now: then it was never a token this process used.
+            with contextlib.suppress(SettingsError):
+                found.append(read_secret_file(self.cron_secret_file))
+        for url in (self.database_url, self.database_direct_url):
+            password = urlsplit(url).password if url else None
+            if password:
+                found += [password, unquote(password)]
+        if self.alert_webhook_url:
+            found.append(self.alert_webhook_url)
+        # Longest first: a secret that contains another is hidden whole. Very short values
+        # (an empty password) would hide every occurrence of a letter.
+        return sorted({v for v in found if len(v) >= 4}, key=len, reverse=True)
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    """`text` with every one of `secrets` replaced by `***`."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
 
 
 TRIGGER_SCHEMES = ("bearer", "oidc", "qstash")

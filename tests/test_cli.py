@@ -323,6 +323,10 @@ async def test_bad_values_the_commands_see_later_are_exit_2_too(
     r = await run_cli(capsys, "run", "note", "--params", '{"text": "a\\u0000"}')
     assert (r.code, r.out) == (2, ""), r.err
     assert "invalid trigger: text: Value contains NUL" in r.err  # pydantic's errors, one line
+    # A typo in a field's name is refused by name, as over HTTP (tests/test_params.py).
+    r = await run_cli(capsys, "run", "note", "--params", '{"txt": "a"}')
+    assert (r.code, r.out) == (2, ""), r.err
+    assert "invalid trigger: txt: Extra inputs are not permitted" in r.err
     # Who pauses, from the environment, is checked as --by is, and named.
     for operator, problem in (("o" * 201, "longer than 200"), ("\udcff", "contains a lone")):
         monkeypatch.setenv("CRONLOCK_OPERATOR", operator)

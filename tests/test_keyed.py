@@ -15,7 +15,8 @@ import pytest
 from pydantic import BaseModel
 
 from cronlock.core import jobs as jobs_module
-from cronlock.core.jobs import job, key_text, load, parse_params
+from cronlock.core.jobs import job, key_text, load
+from cronlock.core.params import parse_params
 from cronlock.db.lock import lock_key, lock_text
 from cronlock.errors import InvalidTrigger, JobDefinitionError
 from tests.util import AUTH, lock_free, post, wait_for

@@ -681,9 +681,9 @@ async def test_listener_survives_an_error_that_is_not_an_outage(
     async with sender(settings) as s, running(s):
         await asyncio.sleep(0.8)  # a few attempts
         warnings = [r.getMessage() for r in caplog.records if "listener" in r.getMessage()]
-        assert warnings == [
-            "outbox listener cannot connect: database error 42704; polling goes on, retrying"
-        ]
+        assert len(warnings) == 1, warnings
+        assert warnings[0].startswith("outbox listener cannot connect: 42704: "), warnings
+        assert warnings[0].endswith("; polling goes on, retrying"), warnings
         s.settings = settings.model_copy(update={"database_direct_url": database_url})
         await until(lambda: db.fetchval(listening), 3, "the listener")
         s.settings = settings.model_copy(

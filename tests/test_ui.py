@@ -274,6 +274,9 @@ async def test_run_now_is_recorded_with_source_ui(
         bad = await user.act("/ui/jobs/note/run", params="{not json")
         assert bad.status_code == 422
         assert "Invalid params" in bad.text
+        typo = await user.act("/ui/jobs/note/run", params='{"txt": "hello"}')
+        assert typo.status_code == 422
+        assert "txt: Extra inputs are not permitted" in typo.text
     action = await db.fetchrow("SELECT kind, action, target, detail FROM cronlock.ui_actions")
     assert action is not None
     assert (action["kind"], action["action"], action["target"]) == ("secret", "run", "note")

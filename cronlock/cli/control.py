@@ -162,7 +162,7 @@ async def cmd_pause(args: argparse.Namespace, settings: Settings) -> int:
                 until=args.until,
             )
         except InvalidTrigger as exc:
-            return fail(str(exc.args[0]), EXIT_USAGE)
+            return fail(str(exc), EXIT_USAGE)
     if args.json:
         print_json({"job": args.job, "paused": state.model_dump(mode="json")})
         return EXIT_OK

@@ -22,8 +22,9 @@ from cronlock.cli.common import (
     translated,
 )
 from cronlock.core import catchup
-from cronlock.core.jobs import Registry, parse_params
+from cronlock.core.jobs import Registry
 from cronlock.core.outcome import answer
+from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.errors import DatabaseUnavailable, InvalidTrigger, JobDefinitionError
@@ -70,26 +71,13 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
                 # over.
                 outcome = await runner.leases.settle(outcome.run_id or 0) or outcome
     except InvalidTrigger as exc:
-        return fail(f"invalid trigger: {_trigger_problem(exc)}", EXIT_USAGE)
+        return fail(f"invalid trigger: {exc}", EXIT_USAGE)
     _, body = answer(outcome)
     if args.json:
         print(json.dumps(body))
     else:
         print(" ".join(f"{k}={v}" for k, v in body.items()))
     return EXIT_OK if outcome.kind in ("succeeded", "skipped") else EXIT_FAILED
-
-
-def _trigger_problem(exc: Exception) -> str:
-    """An InvalidTrigger's reason as one line: a text, or pydantic's errors (loc and msg)."""
-    reason = exc.args[0] if exc.args else ""
-    if isinstance(reason, list):
-        return "; ".join(
-            f"{'.'.join(map(str, e.get('loc', ()))) or 'params'}: {e.get('msg', '')}"
-            if isinstance(e, dict)
-            else str(e)
-            for e in reason
-        )
-    return str(reason)
 
 
 @contextlib.asynccontextmanager

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import re
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -37,14 +36,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, Unpack, cast
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from cronlock.core.schedule import Interval, Schedule, ScheduleError, Slots
 from cronlock.db.lock import LockKey, lock_key, lock_text
 from cronlock.db.orm import Sessions, SessionScope
 from cronlock.db.pool import Conn
-from cronlock.errors import InvalidTrigger, JobDefinitionError, LeaseLost, RunCancelled
-from cronlock.inputs import json_problem, text_problem
+from cronlock.errors import JobDefinitionError, LeaseLost, RunCancelled
 from cronlock.settings import Settings
 
 if TYPE_CHECKING:
@@ -60,7 +58,6 @@ __all__ = [
     "job",
     "key_text",
     "load",
-    "parse_params",
 ]
 
 RESERVED_NAMES = frozenset({"jobs", "runs", "locks"})
@@ -605,53 +602,3 @@ def _import_problem(module: str, exc: ImportError) -> str:
             "import (`from cronlock import job, JobContext`)"
         )
     return f"CRON_JOBS: cannot import {module!r}: {exc}"
-
-
-def parse_params(job: Job, body: bytes) -> Any:
-    """The job's validated params from the JSON body (InvalidTrigger for 422)."""
-    # No body is no params (the defaults); a body of `null` is not the object the document
-    # asks for, and is refused like any other.
-    data: Any = {}
-    if body.strip():
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidTrigger(f"body is not valid JSON: {exc}") from exc
-        except RecursionError as exc:  # "[[[[...": within MAX_BODY_BYTES, deeper than Python
-            raise InvalidTrigger("body is not valid JSON: nested too deeply") from exc
-    if job.params is None:
-        return None
-    try:
-        params = job.params.model_validate(data)
-    except ValidationError as exc:
-        raise InvalidTrigger(
-            json.loads(exc.json(include_url=False, include_context=False, include_input=False))
-        ) from exc
-    # What the ledger stores (jsonb): refused here with the field's name, rather than by the
-    # database with a data exception that names nothing.
-    problem = json_problem(params.model_dump(mode="json"))
-    if problem is not None:
-        loc, msg = problem
-        raise InvalidTrigger([{"type": "value_error", "loc": loc, "msg": f"Value {msg}"}])
-    if job.key is not None:
-        _check_key_value(job.key, getattr(params, job.key))
-    return params
-
-
-def _check_key_value(field_name: str, value: Any) -> None:
-    """A key the lock, the ledger and its index can all take, or a 422 naming the field."""
-    try:
-        text = key_text(value)
-    except TypeError as exc:
-        raise InvalidTrigger(
-            [{"type": "key_error", "loc": [field_name], "msg": f"Value {exc}"}]
-        ) from exc
-    problem = text_problem(text)
-    if problem is None and not text:
-        problem = "is empty: a key needs at least one character"
-    if problem is None and len(text) > MAX_KEY_LENGTH:
-        problem = f"is longer than {MAX_KEY_LENGTH} characters as a key"
-    if problem is not None:
-        raise InvalidTrigger(
-            [{"type": "key_error", "loc": [field_name], "msg": f"Value {problem}"}]
-        )

@@ -32,12 +32,14 @@ import asyncpg
 from pydantic import ValidationError
 
 from cronlock.core import lease, ledger
+from cronlock.core.failure import failure_of
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, steps_only
 from cronlock.core.outcome import Kind, Outcome, annotate
 from cronlock.db.lock import lock_text, try_lock
 from cronlock.db.orm import Sessions
 from cronlock.db.pool import Conn, Database, deadline
 from cronlock.errors import (
+    DATABASE_ERRORS,
     DRIVER_ERRORS,
     STANDBY_REASON,
     DatabaseUnavailable,
@@ -47,7 +49,7 @@ from cronlock.errors import (
     describe,
     translate,
 )
-from cronlock.settings import Settings
+from cronlock.settings import Settings, scrub
 from cronlock.tracing import Tracing
 
 if TYPE_CHECKING:
@@ -119,6 +121,7 @@ class RunnerParts(Protocol):
         duration: float | None = None,
         reason: str | None = None,
         commit_unknown: bool = False,
+        failure: dict[str, Any] | None = None,
     ) -> Outcome: ...
 
     def skip(
@@ -470,9 +473,16 @@ class LeaseRunner:
                     )
                 else:
                     return await self._succeed(h, result)
-            if not await fence.finish("failed", f"{type(error).__name__}: {error}"[:2000]):
+            secrets = self.settings.secret_values()
+            line = scrub(f"{type(error).__name__}: {error}", secrets)[:2000]
+            if not await fence.finish("failed", line):
                 return await self._lost(h)
-            return self._outcome(h, "failed", reason=str(error)[:200])
+            failure = failure_of(error, secrets)
+            with contextlib.suppress(*DATABASE_ERRORS):  # the detail only: the row says failed
+                async with self.db.connection() as conn:
+                    await ledger.record_failure(conn, self.settings.db_schema, ctx.run_id, failure)
+            reason = scrub(str(error), secrets)[:200]
+            return self._outcome(h, "failed", reason=reason, failure=failure)
         finally:
             beat.cancel()
             with contextlib.suppress(BaseException):
@@ -530,9 +540,17 @@ class LeaseRunner:
         processed: Any = None,
         duration: float | None = None,
         reason: str | None = None,
+        failure: dict[str, Any] | None = None,
     ) -> Outcome:
         return self.runner.finished(
-            h.ctx, kind, h.source, h.started, processed=processed, duration=duration, reason=reason
+            h.ctx,
+            kind,
+            h.source,
+            h.started,
+            processed=processed,
+            duration=duration,
+            reason=reason,
+            failure=failure,
         )
 
     async def settle(self, run_id: int) -> Outcome | None:

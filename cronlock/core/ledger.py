@@ -161,14 +161,19 @@ async def succeed(conn: Conn, schema: str, run_id: int, result: Any) -> float:
 
 FINISH_SQL = """
 UPDATE {schema}.runs
-SET status = $2, error = $3, finished_at = clock_timestamp(),
+SET status = $2, error = $3, failure = $4, finished_at = clock_timestamp(),
     duration_ms = extract(epoch FROM clock_timestamp() - started_at) * 1000
 WHERE id = $1 AND status IN ('running', 'abandoned')
 """
 
 
 async def finish(
-    conn: Conn | asyncpg.Pool, schema: str, run_id: int, status: str, error: str | None
+    conn: Conn | asyncpg.Pool,
+    schema: str,
+    run_id: int,
+    status: str,
+    error: str | None,
+    failure: dict[str, Any] | None = None,
 ) -> None:
     """Record a run that did not succeed, in its own short transaction, after the rollback.
 
@@ -176,7 +181,23 @@ async def finish(
     stays. An `abandoned` one does: the sweeper may have guessed between our rollback and
     this update, and the instance that ran the job knows better.
     """
-    await conn.execute(qualify(FINISH_SQL, schema), run_id, status, error)
+    await conn.execute(qualify(FINISH_SQL, schema), run_id, status, error, failure)
+
+
+FAILURE_SQL = "UPDATE {schema}.runs SET failure = $2 WHERE id = $1 AND status = 'failed'"
+
+
+async def record_failure(conn: Conn, schema: str, run_id: int, failure: dict[str, Any]) -> None:
+    """Add what a failed lease run raised to its row (its status was written by its fence)."""
+    await conn.execute(qualify(FAILURE_SQL, schema), run_id, failure)
+
+
+FAILURE_OF_SQL = "SELECT failure FROM {schema}.runs WHERE id = $1"
+
+
+async def failure_of(conn: Conn | asyncpg.Pool, schema: str, run_id: int) -> Any:
+    """A run's failure detail (`{"type", "message", "traceback"}`), or None."""
+    return await conn.fetchval(qualify(FAILURE_OF_SQL, schema), run_id)
 
 
 GET_SQL = f"SELECT {COLUMNS} FROM {{schema}}.runs WHERE id = $1"

@@ -33,6 +33,9 @@ class Outcome:
     # A failed run whose connection broke during its COMMIT: whether the commit landed is not
     # known here (the run's ledger row tells: `ledger.finish` leaves a succeeded row alone).
     commit_unknown: bool = False
+    # A run that raised: its exception's type, message and traceback (cronlock/core/failure.py),
+    # logged at error with the run's line; never in the trigger's answer (GET /cron/runs/{id}).
+    failure: dict[str, Any] | None = None
 
 
 # What a span's status calls an error: the kinds answered with a 5xx.

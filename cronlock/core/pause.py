@@ -94,10 +94,14 @@ async def pause(
     InvalidTrigger for an `until` that is not in the future of the database's clock."""
     if until is not None:
         if until.tzinfo is None:
-            raise InvalidTrigger("until needs a time zone offset, e.g. 2026-01-01T07:00:00Z")
+            raise InvalidTrigger(
+                "until needs a time zone offset, e.g. 2026-01-01T07:00:00Z", ("until",)
+            )
         now: datetime = await conn.fetchval("SELECT now()")
         if until <= now:
-            raise InvalidTrigger(f"until must be in the future (database time {now.isoformat()})")
+            raise InvalidTrigger(
+                f"until must be in the future (database time {now.isoformat()})", ("until",)
+            )
     row = await conn.fetchrow(qualify(PAUSE_SQL, schema), job, by[:MAX_BY], note, until)
     assert row is not None
     return _view(row)

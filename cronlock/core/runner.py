@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from cronlock.core import cancel, ledger, pause, schedules
+from cronlock.core.failure import failure_of
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, call
 from cronlock.core.lease_runner import LeaseRunner
 from cronlock.core.outcome import Kind, Outcome, annotate
@@ -40,7 +41,7 @@ from cronlock.errors import (
     describe,
     translate,
 )
-from cronlock.settings import Settings
+from cronlock.settings import Settings, scrub
 from cronlock.tracing import Tracing
 
 if TYPE_CHECKING:
@@ -299,17 +300,25 @@ class Runner:
 
     def _check_backfill_slot(self, job: Job, slot: datetime, force: bool) -> None:
         if force:
-            raise InvalidTrigger("force and slot cannot be combined")
+            raise InvalidTrigger("force and slot cannot be combined", ("slot",))
         if job.schedule is None:
-            raise InvalidTrigger(f"job {job.name!r} has no schedule: there is no slot to backfill")
+            raise InvalidTrigger(
+                f"job {job.name!r} has no schedule: there is no slot to backfill", ("slot",)
+            )
         if slot.tzinfo is None:
-            raise InvalidTrigger("slot needs a time zone offset, e.g. 2026-01-01T07:00:00Z")
+            raise InvalidTrigger(
+                "slot needs a time zone offset, e.g. 2026-01-01T07:00:00Z", ("slot",)
+            )
         try:
             tick = job.schedule.is_tick(slot)
         except (OverflowError, ValueError) as exc:  # at the ends of the calendar (year 1, 9999)
-            raise InvalidTrigger(f"{slot.isoformat()} is out of the schedule's range") from exc
+            raise InvalidTrigger(
+                f"{slot.isoformat()} is out of the schedule's range", ("slot",)
+            ) from exc
         if not tick:
-            raise InvalidTrigger(f"{slot.isoformat()} is not a tick of {job.schedule.expr!r}")
+            raise InvalidTrigger(
+                f"{slot.isoformat()} is not a tick of {job.schedule.expr!r}", ("slot",)
+            )
 
     async def _acquire(
         self,
@@ -465,10 +474,11 @@ class Runner:
         if trigger == "backfill":
             assert backfill is not None
             if backfill > now:
-                raise InvalidTrigger("a backfill slot must be in the past")
+                raise InvalidTrigger("a backfill slot must be in the past", ("slot",))
             if (now - backfill).total_seconds() > self.settings.backfill_window:
                 raise InvalidTrigger(
-                    f"slot is older than the backfill window ({self.settings.backfill_window} s)"
+                    f"slot is older than the backfill window ({self.settings.backfill_window} s)",
+                    ("slot",),
                 )
             slot = backfill
         else:
@@ -580,8 +590,12 @@ class Runner:
                 else:
                     return await self._commit(lease, result, source)
             status: Kind = "cancelled" if _cancelled_by_operator(error) else "failed"
-            await self._rollback(lease, status, f"{type(error).__name__}: {error}"[:2000])
-            return self._outcome(lease, status, source, reason=str(error)[:200])
+            secrets = self.settings.secret_values()
+            failure = failure_of(error, secrets) if status == "failed" else None
+            line = scrub(f"{type(error).__name__}: {error}", secrets)[:2000]
+            await self._rollback(lease, status, line, failure)
+            reason = scrub(str(error), secrets)[:200]
+            return self._outcome(lease, status, source, reason=reason, failure=failure)
         finally:
             self.local.pop((job.name, ctx.key), None)
             try:
@@ -620,13 +634,15 @@ class Runner:
             )
         return self._outcome(lease, "succeeded", source, processed=result, duration=duration)
 
-    async def _rollback(self, lease: _Lease, status: str, error: str) -> None:
+    async def _rollback(
+        self, lease: _Lease, status: str, error: str, failure: dict[str, Any] | None = None
+    ) -> None:
         try:
             with deadline(lease.conn, self.settings.db_query_timeout):
                 await lease.tx.rollback()
         except Exception:  # the connection is gone: the server rolled back for us
             terminate(lease.conn)
-        await self._record(lease.ctx.run_id, status, error, lease.planned)
+        await self._record(lease.ctx.run_id, status, error, failure, lease.planned)
 
     async def _abort(self, lease: _Lease, task: asyncio.Task[Any], status: str, error: str) -> None:
         # Closing the socket ends the transaction server-side at once (and, with
@@ -636,21 +652,27 @@ class Runner:
         task.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.wait({task}, timeout=1.0)
-        await asyncio.shield(self._record(lease.ctx.run_id, status, error, lease.planned))
+        await asyncio.shield(self._record(lease.ctx.run_id, status, error, planned=lease.planned))
 
     async def _record(
-        self, run_id: int, status: str, error: str, planned: schedules.Planned | None = None
+        self,
+        run_id: int,
+        status: str,
+        error: str,
+        failure: dict[str, Any] | None = None,
+        planned: schedules.Planned | None = None,
     ) -> None:
         try:
             async with self.db.connection() as conn:
+                schema = self.settings.db_schema
                 if planned is None:
-                    await ledger.finish(conn, self.settings.db_schema, run_id, status, error)
+                    await ledger.finish(conn, schema, run_id, status, error, failure)
                     return
                 # A failed dynamic run: its schedule moves on with the record of its failure
                 # (the slot is the retries' business), so a failing key never loops.
                 async with conn.transaction():
-                    await ledger.finish(conn, self.settings.db_schema, run_id, status, error)
-                    await schedules.advance(conn, self.settings.db_schema, planned)
+                    await ledger.finish(conn, schema, run_id, status, error, failure)
+                    await schedules.advance(conn, schema, planned)
         except Exception as exc:
             # The row stays `running` and is closed as `abandoned` once its lock is seen gone.
             log.warning("could not record run %s as %s: %s", run_id, status, describe(exc))
@@ -665,6 +687,7 @@ class Runner:
         duration: float | None = None,
         reason: str | None = None,
         commit_unknown: bool = False,
+        failure: dict[str, Any] | None = None,
     ) -> Outcome:
         return self.finished(
             lease.ctx,
@@ -675,6 +698,7 @@ class Runner:
             duration=duration,
             reason=reason,
             commit_unknown=commit_unknown,
+            failure=failure,
         )
 
     def finished(
@@ -688,6 +712,7 @@ class Runner:
         duration: float | None = None,
         reason: str | None = None,
         commit_unknown: bool = False,
+        failure: dict[str, Any] | None = None,
     ) -> Outcome:
         """The outcome of a run that took the lock (or a lease), logged and counted once; the
         duration defaults to the time since `started` (monotonic)."""
@@ -704,6 +729,7 @@ class Runner:
             ctx.trigger,
             ctx.key,
             commit_unknown=commit_unknown,
+            failure=failure,
         )
         self.log_outcome(outcome, source)
         return outcome
@@ -731,6 +757,9 @@ class Runner:
         # metrics.
         routine = outcome.kind == "skipped" and outcome.reason in ROUTINE_SKIPS
         level = logging.DEBUG if routine and not self.settings.log_skips else logging.INFO
+        failure = outcome.failure or {}
+        if failure:
+            level = logging.ERROR  # a job that raised: someone should read its traceback
         if self.metrics is not None:
             self.metrics.observe(outcome)
         if not log.isEnabledFor(level):
@@ -752,6 +781,8 @@ class Runner:
                 "instance": self.settings.instance_name,
                 "trigger": outcome.trigger,
                 "source": source,
+                "error_type": failure.get("type"),
+                "traceback": failure.get("traceback"),
             },
         )
 

@@ -101,6 +101,14 @@ class LockView(BaseModel):
     lease_expires_at: Timestamp | None = None
 
 
+class Failure(BaseModel):
+    """What a failed run raised: secrets hidden, the message and traceback bounded."""
+
+    type: str
+    message: str
+    traceback: str
+
+
 class RunView(BaseModel):
     id: int
     job: str
@@ -133,6 +141,8 @@ class RunView(BaseModel):
     checkpoint: Any
     progress: Any
     steps: int | None
+    # A failed run's exception (GET /cron/runs/{id} only; null in lists and for other runs).
+    failure: Failure | None = None
 
 
 class RunsPage(BaseModel):
@@ -441,7 +451,11 @@ async def run(conn: Conn, registry: Registry, run_id: int) -> RunView | None:
     if found is None:
         return None
     held = _holders(await locks(conn, registry), registry) if found.status == "running" else {}
-    return _run_view(found, held)
+    view = _run_view(found, held)
+    failure = await ledger.failure_of(conn, registry.schema, run_id)
+    if failure is not None:
+        view.failure = Failure.model_validate(failure)
+    return view
 
 
 @contextlib.asynccontextmanager

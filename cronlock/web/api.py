@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cronlock.core.jobs import RESERVED_NAMES, Job, Registry, parse_params
+from cronlock.core.jobs import RESERVED_NAMES, Job, Registry
 from cronlock.core.outcome import Outcome, answer
+from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
 from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
 from cronlock.inputs import check_timestamp
@@ -104,7 +105,7 @@ def trigger_handler(job: Job) -> Callable[[Request], Coroutine[Any, Any, Respons
                     message_id=auth.message_id,
                 )
         except InvalidTrigger as exc:
-            return error(422, "invalid trigger", detail=exc.args[0])
+            return error(422, "invalid trigger", detail=exc.detail)
         except InvalidInput as exc:
             return invalid_input(exc)
         except DatabaseUnavailable as exc:

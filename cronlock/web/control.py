@@ -105,7 +105,7 @@ async def pause_job(
                 until=body.until,
             )
     except InvalidTrigger as exc:
-        return error(422, "invalid request", detail=exc.args[0])
+        return error(422, "invalid request", detail=exc.detail)
     except DRIVER_ERRORS as exc:
         raise translate(exc, input_from=("body",)) from exc
     return PauseAnswer(job=name, paused=state)

@@ -24,8 +24,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from cronlock.core import pause as pause_state
 from cronlock.core import schedules as dynamic
-from cronlock.core.jobs import MAX_KEY_LENGTH, Registry, parse_params
+from cronlock.core.jobs import MAX_KEY_LENGTH, Registry
 from cronlock.core.outcome import answer
+from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.delivery import outbox
@@ -346,7 +347,7 @@ async def run_now(request: Request, name: str) -> Response:
             params = parse_params(job, text.encode())
             outcome = await runner.trigger(job, force=True, params=params, wait=False, source="ui")
         except InvalidTrigger as exc:
-            raise Refused(422, f"Invalid params: {_problems(exc.args[0])}") from None
+            raise Refused(422, f"Invalid params: {exc}") from None
         except InvalidInput as exc:
             raise Refused(422, f"Invalid params: {exc.reason}") from None
         status, _ = answer(outcome)
@@ -392,14 +393,6 @@ async def cancel(request: Request, name: str) -> Response:
         return back(request, f"/jobs/{name}", notice)
 
     return await _guarded(request, render)
-
-
-def _problems(detail: Any) -> str:
-    if isinstance(detail, list):
-        return "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in detail
-        )
-    return str(detail)
 
 
 def _key(text: str | None, what: str) -> str | None:
@@ -455,7 +448,7 @@ async def pause(request: Request, name: str) -> Response:
                     until=until,
                 )
             except InvalidTrigger as exc:
-                raise Refused(422, f"Not paused: {_problems(exc.args[0])}") from None
+                raise Refused(422, f"Not paused: {exc}") from None
             await session.record(conn, settings, current, "pause", name, note=note, until=until)
         return back(request, f"/jobs/{name}", "paused")
 
