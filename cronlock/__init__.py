@@ -14,6 +14,7 @@ In an app of your own (docs/fastapi.md):
 
 __version__ = "0.2.0"
 
+from cronlock.core.fanout import DoneContext, ItemContext
 from cronlock.core.jobs import JobContext, job
 from cronlock.errors import (
     ConfigurationError,
@@ -30,6 +31,8 @@ __all__ = [
     "ConfigurationError",
     "Cronlock",
     "CronlockError",
+    "DoneContext",
+    "ItemContext",
     "JobContext",
     "JobDefinitionError",
     "JobLock",

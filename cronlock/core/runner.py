@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from cronlock.core import cancel, ledger, pause
+from cronlock.core.fanout_runner import FanoutRunner
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, call
 from cronlock.core.lease_runner import LeaseRunner
 from cronlock.core.outcome import Kind, Outcome
@@ -103,6 +104,7 @@ class Runner:
         }
         self._keys_checked = False
         self.leases = LeaseRunner(self)
+        self.fanouts = FanoutRunner(self)
 
     async def trigger(
         self,
@@ -136,6 +138,18 @@ class Runner:
                 skipped = await self._probe(job, key, source)
                 if skipped is not None:
                     return skipped
+            if job.fanout is not None:
+                # Planned in the lock's transaction, then worked by every instance's workers.
+                return await self.fanouts.start(
+                    job,
+                    key,
+                    trigger,
+                    slot,
+                    params,
+                    source,
+                    retry_of=retry_of,
+                    first_attempt=first_attempt,
+                )
             if job.lease is not None:
                 started = await self.leases.start(
                     job,

@@ -36,7 +36,7 @@ import asyncpg
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from cronlock.core import cancel as requests
-from cronlock.core import lease, ledger, pause, retries
+from cronlock.core import fanout, lease, ledger, pause, retries
 from cronlock.core.jobs import Job, Registry
 from cronlock.core.schedule import ScheduleError
 from cronlock.db.lock import LockKey, held_locks, internal_lock, lock_key
@@ -103,6 +103,15 @@ class LockView(BaseModel):
     lease_expires_at: Timestamp | None = None
 
 
+class ItemCounts(BaseModel):
+    """A fan-out run's items: planned, succeeded, failed for good, being worked now."""
+
+    total: int
+    done: int
+    failed: int
+    running: int
+
+
 class RunView(BaseModel):
     id: int
     job: str
@@ -135,6 +144,8 @@ class RunView(BaseModel):
     checkpoint: Any
     progress: Any
     steps: int | None
+    # Fan-out runs (null otherwise): their items, settled or in flight now.
+    items: ItemCounts | None = None
 
 
 class RunsPage(BaseModel):
@@ -442,12 +453,25 @@ async def runs(
     )
 
 
+# Items in flight count while their instance published them this recently (it does at
+# least every second: cronlock/core/fanout_runner.py).
+ITEMS_FRESH = 5.0
+
+
 async def run(conn: Conn, registry: Registry, run_id: int) -> RunView | None:
     found = await ledger.get(conn, registry.schema, run_id)
     if found is None:
         return None
     held = _holders(await locks(conn, registry), registry) if found.status == "running" else {}
-    return _run_view(found, held)
+    view = _run_view(found, held)
+    job = registry.get(found.job)
+    if job is not None and job.fanout is not None:
+        counts = await fanout.items_of(conn, registry.schema, run_id, ITEMS_FRESH)
+        if counts is not None:
+            view.items = ItemCounts(**vars(counts))
+            # Planned: its items are the run's state, no lock is (cronlock/core/fanout.py).
+            view.running = found.status == "running"
+    return view
 
 
 @contextlib.asynccontextmanager
