@@ -8,8 +8,6 @@ row into `fanout_done`. Tests create both with `create_effects`.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -63,8 +61,6 @@ class Items(BaseModel):
     fail_times: int = 2
     # Items that always fail.
     broken: list[int] = []
-    # The item that kills its instance (SIGKILL) on its first attempt: a crash mid-item.
-    crash_at: int = -1
     # What `done` does: "ok", or "raise".
     done: str = "ok"
 
@@ -94,8 +90,6 @@ async def fan_item(ctx: ItemContext) -> int:
     await effect(ctx)
     if p.pause:
         await asyncio.sleep(p.pause)
-    if ctx.item == p.crash_at and ctx.attempt == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
     if ctx.item in p.broken:
         raise RuntimeError(f"item {ctx.item} always fails")
     if ctx.item in p.flaky and ctx.attempt <= p.fail_times:
@@ -184,3 +178,21 @@ async def fan_slow_item(ctx: ItemContext) -> None:
         await asyncio.sleep(5)  # past its timeout, every attempt
     else:
         await asyncio.sleep(0.1)
+
+
+@job("fan-proof", params=Items, fanout=True, timeout=120)
+async def fan_proof(ctx: JobContext) -> AsyncIterator[int]:
+    """As fan-items, with a short item timeout (2 s): a frozen worker's items are freed by
+    the server within it (plus DB_TIMEOUT_MARGIN)."""
+    for i in range(ctx.params.n):
+        yield i
+
+
+@fan_proof.each(timeout=2, retries=3)
+async def fan_proof_item(ctx: ItemContext) -> int:
+    return await fan_item(ctx)
+
+
+@fan_proof.done
+async def fan_proof_done(ctx: DoneContext) -> dict[str, int]:
+    return await fan_done(ctx)

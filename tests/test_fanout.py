@@ -374,7 +374,7 @@ def test_declarations_are_checked_up_front(make_settings: Callable[..., Settings
     with pytest.raises(JobDefinitionError, match="from 0 to"):
         checked.each(retries=-1)
     with pytest.raises(JobDefinitionError, match="async def"):
-        checked.each()(lambda ctx: None)  # type: ignore[arg-type, return-value]
+        checked.each()(lambda ctx: None)  # type: ignore[type-var]
 
     @checked.done
     async def finished(ctx: DoneContext) -> None: ...

@@ -32,7 +32,17 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, Unpack, cast, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Literal,
+    Protocol,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    cast,
+    overload,
+)
 
 from pydantic import BaseModel, ValidationError
 
@@ -198,7 +208,9 @@ DoneFunc = Callable[["DoneContext"], Coroutine[Any, Any, Any]]
 # A planner: an async generator of items, or an async def returning an iterable of them.
 PlanFunc = Callable[[JobContext], Any]
 
-# What an item gets at most, and at least, in seconds; retries as a job's.
+ItemF = TypeVar("ItemF", bound=ItemFunc)
+DoneF = TypeVar("DoneF", bound=DoneFunc)
+# An item's retries, as a job's.
 MAX_ITEM_RETRIES = 100
 
 
@@ -230,7 +242,7 @@ class Plan:
     def __call__(self, ctx: JobContext) -> Any:
         return self.func(ctx)
 
-    def each(self, *, timeout: float = 60.0, retries: int = 0) -> Callable[[ItemFunc], ItemFunc]:
+    def each(self, *, timeout: float = 60.0, retries: int = 0) -> Callable[[ItemF], ItemF]:
         """Declare the function that works one item, in one transaction of its own (`ctx.conn`,
         `ctx.session`), bounded by `timeout` seconds; a failed item is tried `retries` more
         times, with a backoff (FANOUT_RETRY_DELAY, doubling)."""
@@ -244,7 +256,7 @@ class Plan:
                 f"job {name!r}: each(retries=) must be from 0 to {MAX_ITEM_RETRIES}"
             )
 
-        def register(func: ItemFunc) -> ItemFunc:
+        def register(func: ItemF) -> ItemF:
             _check_async(name, func, "each")
             if self.spec.each is not None and self.spec.each is not func:
                 raise JobDefinitionError(f"job {name!r} has two item functions (@{name}.each)")
@@ -253,7 +265,7 @@ class Plan:
 
         return register
 
-    def done(self, func: DoneFunc) -> DoneFunc:
+    def done(self, func: DoneF) -> DoneF:
         """Declare what runs once every item is settled, in the transaction that settles the
         last one (`ctx.conn`, `ctx.session`; `ctx.total`, `ctx.done`, `ctx.failed`)."""
         name = self.spec.job
