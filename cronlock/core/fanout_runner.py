@@ -61,6 +61,12 @@ class Planned:
     total: int
 
 
+# The item's work runs in a savepoint: a failed attempt rolls back to it and is counted in
+# the same transaction, under the item's row lock.
+SAVEPOINT_ITEM_SQL = "SAVEPOINT cronlock_item"
+ROLLBACK_ITEM_SQL = "ROLLBACK TO SAVEPOINT cronlock_item"
+
+
 def _closed(conn: Conn) -> bool:
     """Whether the connection is gone (a pool's proxy of one we terminated is detached)."""
     try:
@@ -514,6 +520,8 @@ class FanoutRunner:
                 raise translate(exc) from exc
             if row is None:
                 return False
+            with deadline(conn, settings.db_query_timeout):
+                await conn.execute(SAVEPOINT_ITEM_SQL)
             n, attempt = row["n"], row["attempts"] + 1
             ctx = ItemContext(
                 conn=conn,
@@ -565,15 +573,25 @@ class FanoutRunner:
                 self.in_flight[a.id] -= 1
                 if not self.in_flight[a.id]:
                     del self.in_flight[a.id]
-            # The item failed: roll it back, then count the attempt in a transaction of its own.
+            # The item failed: its effects roll back to the savepoint, and the attempt is
+            # counted in its transaction, still holding the item's row (no other worker can
+            # take it before its backoff is written).
+            message = f"{type(error).__name__}: {error}"[: fanout.MAX_ERROR]
             if not _closed(conn):
                 try:
                     with deadline(conn, settings.db_query_timeout):
-                        await tx.rollback()
-                except Exception:
+                        await conn.execute(ROLLBACK_ITEM_SQL)
+                        outcome = await self._count_failure(
+                            conn, job, a, n, row["attempts"], message
+                        )
+                        await tx.commit()
+                    settled = True
+                    self._observe(job, outcome, began)
+                    return True
+                except DATABASE_ERRORS:
                     terminate(conn)
-            settled = True  # rolled back: nothing left to undo below
-            message = f"{type(error).__name__}: {error}"[: fanout.MAX_ERROR]
+            # Its connection is gone (a timeout closed it): count it in a transaction of its own.
+            settled = True
             outcome = await self._attempt_failed(job, a, n, message)
             self._observe(job, outcome, began)
             return True
@@ -679,33 +697,13 @@ class FanoutRunner:
     async def _attempt_failed(self, job: Job, a: Active, n: int, error: str) -> str:
         """Count a failed attempt at item `n`: retried later (backoff), or failed for good,
         which settles it (and maybe the run)."""
-        settings, schema = self.settings, self.schema
-        spec = job.fanout
-        assert spec is not None
+        schema = self.schema
         try:
             async with self.db.connection() as conn, conn.transaction():
                 done = await fanout.attempts(conn, schema, a.id, n)
                 if done is None:  # settled meanwhile, or another worker has it now
                     return "lost"
-                if done + 1 <= spec.retries:
-                    delay = settings.fanout_retry_delay * 2**done
-                    await fanout.retry_later(
-                        conn, schema, a.id, n, error, settings.instance_name, delay
-                    )
-                    return "retried"
-                left = await fanout.settle(
-                    conn,
-                    schema,
-                    a,
-                    n,
-                    status="failed",
-                    result=None,
-                    error=error,
-                    instance=settings.instance_name,
-                )
-                if left == 0:
-                    await self._shard_done(conn, job, a)
-                return "failed"
+                return await self._count_failure(conn, job, a, n, done, error)
         except DATABASE_ERRORS as exc:
             log.warning(
                 "%s: could not record the failed attempt at item %s of run %s: %s",
@@ -715,6 +713,32 @@ class FanoutRunner:
                 exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc),
             )
             return "lost"
+
+    async def _count_failure(
+        self, conn: Conn, job: Job, a: Active, n: int, done: int, error: str
+    ) -> str:
+        """With item `n`'s row locked (`done` attempts ended before this one): retry it after
+        a backoff, or settle it failed (and maybe the run)."""
+        settings, schema = self.settings, self.schema
+        spec = job.fanout
+        assert spec is not None
+        if done + 1 <= spec.retries:
+            delay = settings.fanout_retry_delay * 2**done
+            await fanout.retry_later(conn, schema, a.id, n, error, settings.instance_name, delay)
+            return "retried"
+        left = await fanout.settle(
+            conn,
+            schema,
+            a,
+            n,
+            status="failed",
+            result=None,
+            error=error,
+            instance=settings.instance_name,
+        )
+        if left == 0:
+            await self._shard_done(conn, job, a)
+        return "failed"
 
     def _observe(self, job: Job, outcome: str, began: float) -> None:
         metrics = self.runner.metrics
