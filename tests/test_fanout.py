@@ -260,9 +260,12 @@ async def test_a_retry_of_a_failed_run_continues_its_items_and_never_redoes_fini
 
 
 async def test_cancel_stops_claiming_and_ends_the_run_cancelled(
-    start_app: Starter, client: httpx.AsyncClient, effects_table: asyncpg.Connection
+    start_app: Starter,
+    client: httpx.AsyncClient,
+    effects_table: asyncpg.Connection,
+    make_settings: Callable[..., Settings],
 ) -> None:
-    from cronlock.core import cancel
+    from cronlock.ops import views
 
     a = await start(start_app, "a")
     run_id = await begin(client, a, n=400, pause=0.05)
@@ -271,7 +274,19 @@ async def test_cancel_stops_claiming_and_ends_the_run_cancelled(
         return len(await effects(effects_table)) >= 10
 
     await wait_for(some, 10, "some items")
-    assert await cancel.request(effects_table, "cronlock", run_id, "a test")
+    # What `python -m cronlock cancel fan-items` does.
+    cancelled = await views.cancel(
+        effects_table,
+        load(["tests.fanout_jobs"]),
+        make_settings(cron_jobs="tests.fanout_jobs"),
+        "fan-items",
+        terminate=False,
+        wait=10,
+        by="a test",
+    )
+    assert cancelled is not None
+    assert cancelled.holder.kind == "fanout"
+    assert cancelled.released
     done = await settled(client, a, run_id, within=10)
     assert done["status"] == "cancelled"
     assert done["error"] == "cancelled by a test"
@@ -381,3 +396,48 @@ def test_declarations_are_checked_up_front(make_settings: Callable[..., Settings
 
     with pytest.raises(JobDefinitionError, match="without an item function"):
         load([checked.__module__])
+
+
+async def test_the_fanout_digest_queues_one_email_per_enabled_user_across_instances(
+    start_app: Starter, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """The demo's fan-out job end to end: ranges of users worked by two instances, one email
+    per enabled user for the slot, `done` counting them, and the slot "already done" after."""
+    a = await start_app("a", cron_jobs="cronlock.demo.fanout", **FANOUT_SETTINGS)
+    b = await start_app("b", cron_jobs="cronlock.demo.fanout", **FANOUT_SETTINGS)
+    await db.execute(
+        "INSERT INTO cronlock_demo.users (email, digest_enabled) "
+        "SELECT 'user' || g || '@example.com', g % 5 <> 0 FROM generate_series(1, 250) AS g"
+    )
+    r = await client.post(f"{a.url}/cron/fanout-digest", headers=AUTH, json={"size": 20})
+    assert r.status_code == 202, r.text
+    assert r.json()["items"] == 13  # ids 1..250 in ranges of 20
+    done = await settled(client, b, r.json()["run_id"])
+    assert done["status"] == "succeeded"
+    assert done["result"]["result"] == {"queued": 200, "ranges": 13, "failed_ranges": 0}
+    rows = await db.fetch(
+        "SELECT user_id, count(*) FROM cronlock.email_outbox WHERE job = 'fanout-digest' "
+        "GROUP BY user_id"
+    )
+    assert len(rows) == 200
+    assert {x["count"] for x in rows} == {1}
+    again = await client.post(f"{a.url}/cron/fanout-digest", headers=AUTH)
+    assert again.json()["reason"] == "already done"
+
+
+async def test_the_dashboard_run_page_shows_progress_and_failed_items(
+    start_app: Starter, client: httpx.AsyncClient, effects_table: asyncpg.Connection
+) -> None:
+    from tests.support import TEST_SECRET
+    from tests.support.ui import User
+
+    a = await start(start_app, "a", ui_cookie_secure=False)
+    run_id = await begin(client, a, n=12, broken=[5])
+    assert (await settled(client, a, run_id))["status"] == "failed"
+    async with User(a) as user:
+        await user.login(TEST_SECRET)
+        page = await user.http.get(f"/ui/runs/{run_id}")
+    assert page.status_code == 200
+    assert '<progress max="12" value="12"' in page.text
+    assert "Failed items" in page.text
+    assert "RuntimeError: item 5 always fails" in page.text

@@ -83,7 +83,7 @@ class LockView(BaseModel):
     """One advisory lock in this database, mapped back to its job where it is one; or a lease
     run's live lease (`kind` "lease": no backend holds anything, the run's row does)."""
 
-    kind: Literal["advisory", "lease"] = "advisory"
+    kind: Literal["advisory", "lease", "fanout"] = "advisory"
     job: str | None
     # A keyed job's run: its key (canonical text). Not `key`, which is the lock's own key.
     job_key: str | None = None
@@ -175,7 +175,7 @@ class Holder(BaseModel):
 
     model_config = ConfigDict(from_attributes=True)
 
-    kind: Literal["advisory", "lease"] = "advisory"
+    kind: Literal["advisory", "lease", "fanout"] = "advisory"
     instance: str | None
     pid: int | None  # None for a lease
     state: str | None
@@ -547,9 +547,13 @@ async def cancel(
     if first is None:
         first = await _expired_lease(conn, registry, settings, job, key)
     if first is None:
+        first = await _fanout_run(conn, registry, settings, job, key)
+    if first is None:
         return None
     if first.kind == "lease":
         return await _cancel_lease(conn, registry, settings, first, wait, by)
+    if first.kind == "fanout":
+        return await _cancel_fanout(conn, registry, settings, first, wait, by)
     assert first.pid is not None
     if first.job_key is not None:
         lock = registry.lock(job, first.job_key)
@@ -634,6 +638,56 @@ async def _expired_lease(
         run_id=found.id,
         lease_expires_at=found.expires_at,
     )
+
+
+async def _fanout_run(
+    conn: Conn, registry: Registry, settings: Settings, job: str, key: str | None
+) -> LockView | None:
+    """A fan-out run in progress: its items hold the job, no lock does."""
+    if job not in registry or registry[job].fanout is None:
+        return None
+    with deadline(conn, settings.db_query_timeout):
+        async with reading(conn):
+            run_id = await fanout.running(conn, registry.schema, job, key)
+    if run_id is None:
+        return None
+    lk = registry.lock(job, key)
+    return LockView(
+        kind="fanout",
+        job=job,
+        job_key=key,
+        key=str(lk.key),
+        classid=lk.classid,
+        objid=lk.objid,
+        pid=None,
+        holder=None,
+        instance=None,
+        state="running",
+        held_for=None,
+        granted=True,
+        run_id=run_id,
+    )
+
+
+async def _cancel_fanout(
+    conn: Conn, registry: Registry, settings: Settings, first: LockView, wait: float, by: str
+) -> Cancelled:
+    """A fan-out run is stopped by the workers of whichever instances serve it: they see the
+    request within FANOUT_POLL_INTERVAL, stop claiming its items and record it `cancelled`;
+    items in flight finish or roll back (cronlock/core/fanout.py)."""
+    assert first.run_id is not None
+    with deadline(conn, settings.db_query_timeout):
+        signalled = await requests.request(conn, settings.db_schema, first.run_id, by)
+    give_up_at = time.monotonic() + wait
+    while True:
+        with deadline(conn, settings.db_query_timeout):
+            async with reading(conn):
+                view = await run(conn, registry, first.run_id)
+        released = view is None or view.status != "running"
+        if released or time.monotonic() > give_up_at:
+            break
+        await asyncio.sleep(0.1)
+    return Cancelled(first, signalled, released, view, "holder" if signalled else "none")
 
 
 async def _cancel_lease(
