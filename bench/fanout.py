@@ -69,7 +69,8 @@ async def reset(conn: asyncpg.Connection, *, paused: bool = False) -> None:
         try:
             await conn.execute(
                 "SET lock_timeout = '2s'; TRUNCATE bench_fan_effects; "
-                "TRUNCATE cronlock.fanouts CASCADE; DELETE FROM cronlock.runs; RESET lock_timeout"
+                "TRUNCATE cronlock.fanouts, cronlock.fanout_items CASCADE; "
+                "DELETE FROM cronlock.runs; RESET lock_timeout"
             )
             break
         except (asyncpg.DeadlockDetectedError, asyncpg.LockNotAvailableError):

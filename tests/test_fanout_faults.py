@@ -76,7 +76,7 @@ async def db(
     try:
         await create_effects(conn)
         await conn.execute(
-            "TRUNCATE fanout_effects, fanout_done, cronlock.fanouts CASCADE; "
+            "TRUNCATE fanout_effects, fanout_done, cronlock.fanouts, cronlock.fanout_items; "
             "DELETE FROM cronlock.runs"
         )
         yield conn

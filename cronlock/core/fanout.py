@@ -242,14 +242,15 @@ ORDER BY f.id
 
 # One pending item, locked; the transaction's timeouts set in the same round trip (the select
 # list is evaluated before the row lock is tried; setting them twice is harmless). A fan-out
-# that was cancelled or settled meanwhile gives no item.
+# that was cancelled or settled meanwhile gives no item; `run_id` is the attempt working the
+# fan-out now (a retry may have taken it over since the worker last looked).
 _CLAIM_SQL = """
-SELECT i.n, i.item, i.attempts, {timeouts}
+SELECT i.n, i.item, i.attempts, f.run_id, {timeouts}
 FROM {{schema}}.fanout_items i
+JOIN {{schema}}.fanouts f ON f.id = i.fanout_id
+JOIN {{schema}}.runs r ON r.id = f.run_id
 WHERE i.fanout_id = $1 AND i.status = 'pending' AND (i.not_before IS NULL OR i.not_before <= now())
-  AND EXISTS (
-      SELECT 1 FROM {{schema}}.fanouts f JOIN {{schema}}.runs r ON r.id = f.run_id
-      WHERE f.id = $1 AND f.state = 'running' AND r.cancel_requested_at IS NULL)
+  AND f.state = 'running' AND r.cancel_requested_at IS NULL
 ORDER BY i.n
 LIMIT 1
 FOR UPDATE OF i SKIP LOCKED
@@ -285,7 +286,7 @@ RETURNING s.remaining
 SHARD_SETTLED_SQL = """
 UPDATE {schema}.fanouts SET shards_left = shards_left - 1
 WHERE id = $1
-RETURNING shards_left, state, total
+RETURNING shards_left, state, total, run_id
 """
 
 COUNTS_SQL = """

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -522,6 +523,9 @@ class FanoutRunner:
                 return False
             with deadline(conn, settings.db_query_timeout):
                 await conn.execute(SAVEPOINT_ITEM_SQL)
+            if row["run_id"] != a.run_id:  # continued by a later attempt since the last look
+                a = dataclasses.replace(a, run_id=row["run_id"])
+                self.refreshed = 0.0
             n, attempt = row["n"], row["attempts"] + 1
             ctx = ItemContext(
                 conn=conn,
@@ -692,7 +696,9 @@ class FanoutRunner:
         with deadline(conn, self.settings.db_query_timeout):
             row = await fanout.shard_settled(conn, self.schema, a.id)
         if row["shards_left"] == 0 and row["state"] == "running":
-            await self._finish(conn, job, a, row["total"], "fanout")
+            # The attempt that works the fan-out now, as its row says under its lock.
+            current = dataclasses.replace(a, run_id=row["run_id"])
+            await self._finish(conn, job, current, row["total"], "fanout")
 
     async def _attempt_failed(self, job: Job, a: Active, n: int, error: str) -> str:
         """Count a failed attempt at item `n`: retried later (backoff), or failed for good,

@@ -252,7 +252,9 @@ WITH gone AS (
     WHERE status <> 'running' AND started_at < now() - make_interval(days => 0, secs => $1)
     RETURNING id
 ), fanouts AS (
-    DELETE FROM {schema}.fanouts f USING gone WHERE f.run_id = gone.id
+    DELETE FROM {schema}.fanouts f USING gone WHERE f.run_id = gone.id RETURNING f.id
+), items AS (
+    DELETE FROM {schema}.fanout_items i USING fanouts WHERE i.fanout_id = fanouts.id
 )
 SELECT count(*) FROM gone
 """
