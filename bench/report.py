@@ -1,7 +1,7 @@
 """Run every benchmark and write BENCHMARKS.md (the figures, the machine, how to reproduce) and
 bench/latency.png (latency percentiles per path, from trigger.py).
 
-    .venv/bin/python bench/report.py [--only trigger,digest,storm,outbox] [--pgbouncer]
+    .venv/bin/python bench/report.py [--only trigger,digest,storm,outbox,fanout] [--pgbouncer]
 
 The chart needs matplotlib (`pip install -e '.[bench]'`); without it the report is written
 without the chart.
@@ -75,6 +75,13 @@ BENCHES = (
         "What one email costs the database: the outbox against a lean floor (1,000,000 users)",
         "the one-transaction digest and delivery (claim, batch, mark, prune) <= 1.5 x the floor",
         3600,
+    ),
+    Bench(
+        "fanout",
+        "Fan-out: one run's items over the instances",
+        "io speed-up 3 vs 1 instance >= 2.4; db items >= 0.7 x a bare claim+write+mark floor; "
+        "planning 1,000,000 items <= 2 x a bare COPY",
+        1200,
     ),
     Bench(
         "soak",

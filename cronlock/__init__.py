@@ -12,6 +12,7 @@ In an app of your own (docs/fastapi.md):
     app.include_router(cron.router)
 """
 
+from cronlock.core.fanout import DoneContext, ItemContext
 from cronlock.core.jobs import JobContext, job
 from cronlock.db.helper import JobLock, job_lock
 from cronlock.errors import (
@@ -31,7 +32,9 @@ __all__ = [
     "ConfigurationError",
     "Cronlock",
     "CronlockError",
+    "DoneContext",
     "InvalidSchedule",
+    "ItemContext",
     "JobContext",
     "JobDefinitionError",
     "JobLock",

@@ -28,13 +28,23 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Unpack
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Unpack, overload
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from cronlock.core import catchup, retries, scheduler
-from cronlock.core.jobs import Job, JobFunc, JobOptions, Registry, define, load
+from cronlock.core.jobs import (
+    Job,
+    JobFunc,
+    JobOptions,
+    Plan,
+    PlanFunc,
+    Registry,
+    declared_as,
+    define,
+    load,
+)
 from cronlock.core.metrics import Metrics
 from cronlock.core.runner import Runner
 from cronlock.core.schedules import Schedules
@@ -158,11 +168,20 @@ class Cronlock:
 
     # --- declaring ---------------------------------------------------------------------------
 
-    def job(self, name: str, **options: Unpack[JobOptions]) -> Callable[[JobFunc], JobFunc]:
-        """Declare a job served by this Cronlock: the same arguments as `@job`."""
-        make = define(name, **options)
+    @overload
+    def job(
+        self, name: str, *, fanout: Literal[True], **options: Unpack[JobOptions]
+    ) -> Callable[[PlanFunc], Plan]: ...
+    @overload
+    def job(
+        self, name: str, *, fanout: Literal[False] = False, **options: Unpack[JobOptions]
+    ) -> Callable[[JobFunc], JobFunc]: ...
+    def job(self, name: str, *, fanout: bool = False, **options: Unpack[JobOptions]) -> Any:
+        """Declare a job served by this Cronlock: the same arguments as `@job` (`fanout=True`
+        returns a `Plan`, with `.each` and `.done`)."""
+        make = define(name, fanout=fanout, **options)
 
-        def register(func: JobFunc) -> JobFunc:
+        def register(func: Any) -> Any:
             if self._registry is not None:
                 raise JobDefinitionError(
                     f"job {name!r} is declared after cron's jobs were collected (by cron.router, "
@@ -173,8 +192,8 @@ class Cronlock:
                     f"job {name!r} is declared twice ({self._declared[name].module} and "
                     f"{func.__module__}): rename one"
                 )
-            self._declared[name] = make(func)
-            return func
+            self._declared[name] = declared = make(func)
+            return declared_as(declared, func)
 
         return register
 
@@ -354,6 +373,8 @@ class Cronlock:
             loops.append(self._task(scheduler.scheduler_loop(runner, stop), "scheduler"))
         if any(job.lease is not None for job in registry.values()):
             loops.append(self._task(runner.leases.watch(stop), "lease-watch"))
+        if any(job.fanout is not None for job in registry.values()):
+            loops.append(self._task(runner.fanouts.work(stop), "fanout"))
         if s.outbox_enabled:
             loops.append(
                 self._task(_deliver(started.db, s, stop, started.runner.tracing), "outbox")

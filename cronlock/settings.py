@@ -149,6 +149,15 @@ class Settings(BaseSettings):
     # `stop_at`).
     lease_poll_interval: float = Field(default=2.0, gt=0)
     lease_margin: float = Field(default=1.0, ge=0)
+    # Fan-out jobs (`fanout=True`, cronlock/core/fanout.py): items each instance works at once
+    # (each holds a pooled connection for its transaction: keep it below DB_POOL_MAX_SIZE);
+    # how often idle workers look for items when no NOTIFY wakes them (PgBouncer in
+    # transaction mode cannot carry LISTEN: set DATABASE_DIRECT_URL); the most items one run
+    # may plan; the first backoff of a failed item, doubling per attempt.
+    fanout_concurrency: int = Field(default=4, ge=1, le=1000)
+    fanout_poll_interval: float = Field(default=1.0, gt=0)
+    fanout_max_items: int = Field(default=1_000_000, ge=1)
+    fanout_retry_delay: float = Field(default=1.0, ge=0)
     # uvicorn waits for ever for running requests by default; a job in flight at SIGTERM
     # gets this long, then is cancelled and rolled back.
     graceful_shutdown_timeout: float = Field(default=30.0, gt=0)

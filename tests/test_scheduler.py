@@ -251,7 +251,7 @@ def test_missed_policy_declarations() -> None:
     with pytest.raises(JobDefinitionError, match="drop catch_up"):
         job("both-policies", every=5, catch_up=True, missed="all")(noop)
     with pytest.raises(JobDefinitionError, match="choose one of"):
-        job("bad-policy", every=5, missed="some")(noop)  # type: ignore[arg-type]
+        job("bad-policy", every=5, missed="some")(noop)  # type: ignore[call-overload]
     with pytest.raises(JobDefinitionError, match="needs a schedule"):
         job("no-schedule-policy", missed="all")(noop)
     with pytest.raises(JobDefinitionError, match="could never run a slot"):

@@ -105,6 +105,13 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     }
     if args.json:
         print(json.dumps(result))
+    elif first.kind == "fanout":
+        status = run.status if run is not None else "unknown"
+        print(
+            f"{args.job}: cancel requested from the fan-out's workers; run {first.run_id} "
+            f"{'recorded as ' + status if done.released else 'still running'}",
+            file=sys.stdout if done.released else sys.stderr,
+        )
     elif first.kind == "lease":
         status = run.status if run is not None else "unknown"
         print(

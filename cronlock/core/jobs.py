@@ -27,6 +27,7 @@ about keys or leases would be checked in one module and relied on in another.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import re
@@ -34,7 +35,17 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, Unpack, cast
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Literal,
+    Protocol,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    cast,
+    overload,
+)
 
 from pydantic import BaseModel
 
@@ -192,6 +203,125 @@ async def call(func: JobFunc, ctx: JobContext) -> Any:
     return result
 
 
+# --- fan-out declarations (cronlock/core/fanout.py runs them) --------------------------------
+
+# Their context is an ItemContext / a DoneContext (cronlock/core/fanout.py), which build on
+# this module's JobContext: named here as Any, so that this module need not import that one.
+ItemFunc = Callable[[Any], Coroutine[Any, Any, Any]]
+DoneFunc = Callable[[Any], Coroutine[Any, Any, Any]]
+# A planner: an async generator of items, or an async def returning an iterable of them.
+PlanFunc = Callable[[JobContext], Any]
+
+ItemF = TypeVar("ItemF", bound=ItemFunc)
+DoneF = TypeVar("DoneF", bound=DoneFunc)
+# An item's retries, as a job's.
+MAX_ITEM_RETRIES = 100
+
+
+@dataclass
+class Fanout:
+    """What a fan-out job does besides planning: its item function (`@plan.each`), the item's
+    timeout and retries, and `@plan.done`. Filled in after the job's own declaration, checked
+    when the jobs are collected (`check_fanouts`)."""
+
+    job: str
+    each: ItemFunc | None = None
+    timeout: float = 60.0
+    retries: int = 0
+    done: DoneFunc | None = None
+
+
+class Plan:
+    """What `@job(..., fanout=True)` returns: the planner, with `.each` and `.done` to declare
+    the rest of the job. Calling it calls the planner."""
+
+    def __init__(self, func: PlanFunc, spec: Fanout) -> None:
+        self.func = func
+        self.spec = spec
+        self.__doc__ = func.__doc__
+        self.__name__ = getattr(func, "__name__", spec.job)
+        self.__qualname__ = getattr(func, "__qualname__", spec.job)
+        self.__module__ = func.__module__
+
+    def __call__(self, ctx: JobContext) -> Any:
+        return self.func(ctx)
+
+    def each(self, *, timeout: float = 60.0, retries: int = 0) -> Callable[[ItemF], ItemF]:
+        """Declare the function that works one item, in one transaction of its own (`ctx.conn`,
+        `ctx.session`), bounded by `timeout` seconds; a failed item is tried `retries` more
+        times, with a backoff (FANOUT_RETRY_DELAY, doubling)."""
+        name = self.spec.job
+        if not timeout > 0:
+            raise JobDefinitionError(f"job {name!r}: each(timeout=) must be positive")
+        if isinstance(retries, bool) or not isinstance(retries, int):
+            raise JobDefinitionError(f"job {name!r}: each(retries=) must be a whole number")
+        if not 0 <= retries <= MAX_ITEM_RETRIES:
+            raise JobDefinitionError(
+                f"job {name!r}: each(retries=) must be from 0 to {MAX_ITEM_RETRIES}"
+            )
+
+        def register(func: ItemF) -> ItemF:
+            _check_async(name, func, "each")
+            if self.spec.each is not None and self.spec.each is not func:
+                raise JobDefinitionError(f"job {name!r} has two item functions (@{name}.each)")
+            self.spec.each, self.spec.timeout, self.spec.retries = func, timeout, retries
+            return func
+
+        return register
+
+    def done(self, func: DoneF) -> DoneF:
+        """Declare what runs once every item is settled, in the transaction that settles the
+        last one (`ctx.conn`, `ctx.session`; `ctx.total`, `ctx.done`, `ctx.failed`)."""
+        name = self.spec.job
+        _check_async(name, func, "done")
+        if self.spec.done is not None and self.spec.done is not func:
+            raise JobDefinitionError(f"job {name!r} has two done functions")
+        self.spec.done = func
+        return func
+
+
+def _check_async(job: str, func: Any, what: str) -> None:
+    if not inspect.iscoroutinefunction(func):
+        raise JobDefinitionError(
+            f"job {job!r}: {getattr(func, '__qualname__', func)!r} (@{what}) must be an async def"
+        )
+
+
+class _NotFanout:
+    """`.each`/`.done` of a job that is not a fan-out job: a clear error at declaration."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise JobDefinitionError(
+            f"job {self.job!r} is not a fan-out job: declare it with fanout=True to give it "
+            "an item function (@each) or a done function"
+        )
+
+
+def declared_as(job: Job, func: Any) -> Any:
+    """What a job's decorator gives back: a `Plan` for a fan-out job, else the function itself
+    (with `.each` and `.done` that refuse, clearly, when they are tried on it)."""
+    if job.fanout is not None:
+        return Plan(func, job.fanout)
+    for attribute in ("each", "done"):
+        if not hasattr(func, attribute):
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(func, attribute, _NotFanout(job.name))
+    return func
+
+
+def check_fanouts(jobs: Mapping[str, Job]) -> None:
+    """Refuse, at start-up, a fan-out job without an item function."""
+    for job in jobs.values():
+        if job.fanout is not None and job.fanout.each is None:
+            raise JobDefinitionError(
+                f"job {job.name!r} is a fan-out job without an item function: declare one "
+                f"with @{job.func.__name__}.each(timeout=..., retries=...)"
+            )
+
+
 @dataclass(frozen=True)
 class Job:
     name: str
@@ -238,6 +368,9 @@ class Job:
     # Dynamic jobs: each key's start is spread over this many seconds after its tick,
     # deterministically by key (the slot stays the tick).
     spread: float = 0.0
+    # Fan-out mode (`fanout=True`, cronlock/core/fanout.py): `func` plans the run's items, the
+    # spec names what works each one and what runs when all are settled.
+    fanout: Fanout | None = None
 
     @property
     def tz(self) -> str | None:
@@ -305,12 +438,21 @@ class JobOptions(TypedDict, total=False):
     spread: float
 
 
-def job(name: str, **options: Unpack[JobOptions]) -> Callable[[JobFunc], JobFunc]:
+@overload
+def job(
+    name: str, *, fanout: Literal[True], **options: Unpack[JobOptions]
+) -> Callable[[PlanFunc], Plan]: ...
+@overload
+def job(
+    name: str, *, fanout: Literal[False] = False, **options: Unpack[JobOptions]
+) -> Callable[[JobFunc], JobFunc]: ...
+def job(name: str, *, fanout: bool = False, **options: Unpack[JobOptions]) -> Any:
     """Declare a job in a module that is loaded by name (CRON_JOBS, `Cronlock(jobs=[...])`):
-    the job is served by whoever loads its module. See `Cronlock.job` for the same in an app."""
-    make = define(name, **options)
+    the job is served by whoever loads its module. See `Cronlock.job` for the same in an app.
+    `fanout=True` returns a `Plan`, whose `.each` and `.done` declare the rest."""
+    make = define(name, fanout=fanout, **options)
 
-    def register(func: JobFunc) -> JobFunc:
+    def register(func: Any) -> Any:
         declared = make(func)
         previous = _DECLARED.get(name)
         if previous is not None and previous.module != declared.module:
@@ -318,7 +460,7 @@ def job(name: str, **options: Unpack[JobOptions]) -> Callable[[JobFunc], JobFunc
                 f"job {name!r} is declared twice ({previous.module} and {declared.module})"
             )
         _DECLARED[name] = declared
-        return func
+        return declared_as(declared, func)
 
     return register
 
@@ -343,6 +485,7 @@ def define(
     webhook_url: str | None = None,
     lease: float | None = None,
     spread: float = 0.0,
+    fanout: bool = False,
 ) -> Callable[[JobFunc], Job]:
     """Check a job's declaration now (a JobDefinitionError names what is wrong) and return
     what makes its `Job` from the function."""
@@ -400,6 +543,10 @@ def define(
             f"job {name!r}: lease must be positive and at most the timeout ({timeout} s), "
             "which bounds the whole run"
         )
+    if fanout and lease is not None:
+        raise JobDefinitionError(
+            f"job {name!r}: a job is a lease job or a fan-out job, not both (lease= or fanout=)"
+        )
     if key is not None:
         _check_key(name, key, params)
         if catch_up:
@@ -408,7 +555,8 @@ def define(
             raise JobDefinitionError(f"job {name!r}: a keyed job cannot catch_up (no key)")
 
     def make(func: JobFunc) -> Job:
-        if not inspect.iscoroutinefunction(func):
+        planner = fanout and inspect.isasyncgenfunction(func)
+        if not (inspect.iscoroutinefunction(func) or planner):
             # Found now, not at its first trigger: a plain function would fail every run.
             raise JobDefinitionError(f"job {name!r}: {func.__qualname__} must be an async def")
         return Job(
@@ -432,6 +580,7 @@ def define(
             lease=lease,
             dynamic=dynamic,
             spread=float(spread),
+            fanout=Fanout(name) if fanout else None,
         )
 
     return make
@@ -587,6 +736,7 @@ def load(
         chosen[name] = j
     registry = Registry(dict(sorted(chosen.items())), namespace, schema)
     registry.check_keys()
+    check_fanouts(registry)
     return registry
 
 

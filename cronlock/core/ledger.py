@@ -260,6 +260,8 @@ SET status = 'abandoned', finished_at = clock_timestamp(),
     error = 'the instance running it went away; its transaction rolled back'
 WHERE r.status = 'running' AND r.lease_token IS NULL
   AND r.started_at < now() - make_interval(secs => $3)
+  -- A fan-out run holds no lock once planned: its items are its state (cronlock/core/fanout.py).
+  AND NOT EXISTS (SELECT 1 FROM {{schema}}.fanouts f WHERE f.run_id = r.id)
   AND NOT EXISTS (
       SELECT 1 FROM pg_locks l
       WHERE {PG_LOCKS_OURS} AND l.granted
@@ -284,15 +286,23 @@ async def close_abandoned(
     return [r["id"] for r in rows]
 
 
+# A fan-out run's fan-out (and so its items) goes with it (cronlock/core/fanout.py).
 PRUNE_SQL = """
-DELETE FROM {schema}.runs
-WHERE status <> 'running' AND started_at < now() - make_interval(days => 0, secs => $1)
+WITH gone AS (
+    DELETE FROM {schema}.runs
+    WHERE status <> 'running' AND started_at < now() - make_interval(days => 0, secs => $1)
+    RETURNING id
+), fanouts AS (
+    DELETE FROM {schema}.fanouts f USING gone WHERE f.run_id = gone.id RETURNING f.id
+), items AS (
+    DELETE FROM {schema}.fanout_items i USING fanouts WHERE i.fanout_id = fanouts.id
+)
+SELECT count(*) FROM gone
 """
 
 
 async def prune(conn: Conn | asyncpg.Pool, schema: str, retention_seconds: float) -> int:
-    status = await conn.execute(qualify(PRUNE_SQL, schema), retention_seconds)
-    return int(status.split()[-1])
+    return int(await conn.fetchval(qualify(PRUNE_SQL, schema), retention_seconds) or 0)
 
 
 # --- operator views (jobs, runs, locks, catch-up) ------------------------------------------

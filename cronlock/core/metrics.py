@@ -83,6 +83,20 @@ class Metrics:
             ["job"],
             registry=r,
         )
+        self.fanout_items = Counter(
+            "cronlock_fanout_items",
+            "Attempts at fan-out items on this instance, by job and outcome (succeeded, "
+            "retried, failed, lost: rolled back and worked again).",
+            ["job", "outcome"],
+            registry=r,
+        )
+        self.fanout_item_duration = Histogram(
+            "cronlock_fanout_item_duration_seconds",
+            "Duration of fan-out item attempts on this instance, claim to commit or rollback.",
+            ["job", "outcome"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.overdue = Gauge(
             "cronlock_job_overdue",
             "1 if the job's latest tick past its grace period has no succeeded run "
@@ -179,6 +193,11 @@ class Metrics:
             for state, n in by_state.items():
                 label = "all" if state == "schedules" else state
                 self.schedule_counts.labels(job, label).set(n)
+
+    def observe_item(self, job: str, outcome: str, seconds: float) -> None:
+        """Count one attempt at a fan-out item (cronlock/core/fanout_runner.py)."""
+        self.fanout_items.labels(job, outcome).inc()
+        self.fanout_item_duration.labels(job, outcome).observe(seconds)
 
     def set_jobs(self, overdue: Mapping[str, bool], last_success: Mapping[str, datetime]) -> None:
         for job, late in overdue.items():

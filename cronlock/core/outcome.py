@@ -33,6 +33,8 @@ class Outcome:
     # A failed run whose connection broke during its COMMIT: whether the commit landed is not
     # known here (the run's ledger row tells: `ledger.finish` leaves a succeeded row alone).
     commit_unknown: bool = False
+    # A fan-out run's number of items (cronlock/core/fanout.py), in its 202 answer.
+    items: int | None = None
     # A run that raised: its exception's type, message and traceback (cronlock/core/failure.py),
     # logged at error with the run's line; never in the trigger's answer (GET /cron/runs/{id}).
     failure: dict[str, Any] | None = None
@@ -91,6 +93,8 @@ def answer(outcome: Outcome) -> tuple[int, dict[str, Any]]:
         accepted = {**ids, "slot": iso(outcome.slot)}
         if outcome.lease_expires_at is not None:
             accepted["lease_expires_at"] = iso(outcome.lease_expires_at)
+        if outcome.items is not None:
+            accepted["items"] = outcome.items
         return 202, accepted
     if outcome.kind == "timed_out":
         return 504, {"error": "job timed out", **ids}

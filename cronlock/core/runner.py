@@ -25,6 +25,7 @@ import asyncpg
 
 from cronlock.core import cancel, ledger, pause, schedules
 from cronlock.core.failure import failure_of
+from cronlock.core.fanout_runner import FanoutRunner
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, call
 from cronlock.core.lease_runner import LeaseRunner
 from cronlock.core.outcome import Kind, Outcome, annotate
@@ -114,6 +115,7 @@ class Runner:
         }
         self._keys_checked = False
         self.leases = LeaseRunner(self)
+        self.fanouts = FanoutRunner(self)
 
     async def trigger(
         self,
@@ -182,6 +184,18 @@ class Runner:
                 skipped = await self._probe(job, key, source)
                 if skipped is not None:
                     return skipped
+            if job.fanout is not None:
+                # Planned in the lock's transaction, then worked by every instance's workers.
+                return await self.fanouts.start(
+                    job,
+                    key,
+                    trigger,
+                    slot,
+                    params,
+                    source,
+                    retry_of=retry_of,
+                    first_attempt=first_attempt,
+                )
             if job.lease is not None:
                 started = await self.leases.start(
                     job,

@@ -36,7 +36,7 @@ import asyncpg
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from cronlock.core import cancel as requests
-from cronlock.core import lease, ledger, pause, retries, schedules
+from cronlock.core import fanout, lease, ledger, pause, retries, schedules
 from cronlock.core.catchup import CATCH_UP
 from cronlock.core.due import due_slot, is_overdue
 from cronlock.core.jobs import Registry
@@ -81,7 +81,7 @@ class LockView(BaseModel):
     """One advisory lock in this database, mapped back to its job where it is one; or a lease
     run's live lease (`kind` "lease": no backend holds anything, the run's row does)."""
 
-    kind: Literal["advisory", "lease"] = "advisory"
+    kind: Literal["advisory", "lease", "fanout"] = "advisory"
     job: str | None
     # A keyed job's run: its key (canonical text). Not `key`, which is the lock's own key.
     job_key: str | None = None
@@ -107,6 +107,15 @@ class Failure(BaseModel):
     type: str
     message: str
     traceback: str
+
+
+class ItemCounts(BaseModel):
+    """A fan-out run's items: planned, succeeded, failed for good, being worked now."""
+
+    total: int
+    done: int
+    failed: int
+    running: int
 
 
 class RunView(BaseModel):
@@ -143,6 +152,8 @@ class RunView(BaseModel):
     steps: int | None
     # A failed run's exception (GET /cron/runs/{id} only; null in lists and for other runs).
     failure: Failure | None = None
+    # Fan-out runs (null otherwise): their items, settled or in flight now.
+    items: ItemCounts | None = None
 
 
 class RunsPage(BaseModel):
@@ -172,7 +183,7 @@ class Holder(BaseModel):
 
     model_config = ConfigDict(from_attributes=True)
 
-    kind: Literal["advisory", "lease"] = "advisory"
+    kind: Literal["advisory", "lease", "fanout"] = "advisory"
     instance: str | None
     pid: int | None  # None for a lease
     state: str | None
@@ -446,6 +457,11 @@ async def runs(
     )
 
 
+# Items in flight count while their instance published them this recently (it does at
+# least every second: cronlock/core/fanout_runner.py).
+ITEMS_FRESH = 5.0
+
+
 async def run(conn: Conn, registry: Registry, run_id: int) -> RunView | None:
     found = await ledger.get(conn, registry.schema, run_id)
     if found is None:
@@ -455,6 +471,13 @@ async def run(conn: Conn, registry: Registry, run_id: int) -> RunView | None:
     failure = await ledger.failure_of(conn, registry.schema, run_id)
     if failure is not None:
         view.failure = Failure.model_validate(failure)
+    job = registry.get(found.job)
+    if job is not None and job.fanout is not None:
+        counts = await fanout.items_of(conn, registry.schema, run_id, ITEMS_FRESH)
+        if counts is not None:
+            view.items = ItemCounts(**vars(counts))
+            # Planned: its items are the run's state, no lock is (cronlock/core/fanout.py).
+            view.running = found.status == "running"
     return view
 
 
@@ -531,9 +554,13 @@ async def cancel(
     if first is None:
         first = await _expired_lease(conn, registry, settings, job, key)
     if first is None:
+        first = await _fanout_run(conn, registry, settings, job, key)
+    if first is None:
         return None
     if first.kind == "lease":
         return await _cancel_lease(conn, registry, settings, first, wait, by)
+    if first.kind == "fanout":
+        return await _cancel_fanout(conn, registry, settings, first, wait, by)
     assert first.pid is not None
     if first.job_key is not None:
         lock = registry.lock(job, first.job_key)
@@ -618,6 +645,56 @@ async def _expired_lease(
         run_id=found.id,
         lease_expires_at=found.expires_at,
     )
+
+
+async def _fanout_run(
+    conn: Conn, registry: Registry, settings: Settings, job: str, key: str | None
+) -> LockView | None:
+    """A fan-out run in progress: its items hold the job, no lock does."""
+    if job not in registry or registry[job].fanout is None:
+        return None
+    with deadline(conn, settings.db_query_timeout):
+        async with reading(conn):
+            run_id = await fanout.running(conn, registry.schema, job, key)
+    if run_id is None:
+        return None
+    lk = registry.lock(job, key)
+    return LockView(
+        kind="fanout",
+        job=job,
+        job_key=key,
+        key=str(lk.key),
+        classid=lk.classid,
+        objid=lk.objid,
+        pid=None,
+        holder=None,
+        instance=None,
+        state="running",
+        held_for=None,
+        granted=True,
+        run_id=run_id,
+    )
+
+
+async def _cancel_fanout(
+    conn: Conn, registry: Registry, settings: Settings, first: LockView, wait: float, by: str
+) -> Cancelled:
+    """A fan-out run is stopped by the workers of whichever instances serve it: they see the
+    request within FANOUT_POLL_INTERVAL, stop claiming its items and record it `cancelled`;
+    items in flight finish or roll back (cronlock/core/fanout.py)."""
+    assert first.run_id is not None
+    with deadline(conn, settings.db_query_timeout):
+        signalled = await requests.request(conn, settings.db_schema, first.run_id, by)
+    give_up_at = time.monotonic() + wait
+    while True:
+        with deadline(conn, settings.db_query_timeout):
+            async with reading(conn):
+                view = await run(conn, registry, first.run_id)
+        released = view is None or view.status != "running"
+        if released or time.monotonic() > give_up_at:
+            break
+        await asyncio.sleep(0.1)
+    return Cancelled(first, signalled, released, view, "holder" if signalled else "none")
 
 
 async def _cancel_lease(
