@@ -252,6 +252,8 @@ async def test_a_prefix_of_ones_own_and_a_lifespan_of_ones_own(
         assert (elsewhere.status_code, elsewhere.json()) == (404, SHAPE_OF_THE_HOST)
         paths = (await client.get(f"{host.url}/openapi.json")).json()["paths"]
         assert "/api/internal/jobs/hello" in paths
+        # The triggers' group in the document (tests/support/fuzz.py picks them by it).
+        assert "jobs" in paths["/api/internal/jobs/hello"]["post"]["tags"]
         assert "/api/internal/jobs/runs" in paths
         # One operation per job; the one route that serves them all is not in the document.
         assert "/api/internal/jobs/{name}" not in paths

@@ -148,6 +148,8 @@ def build(serving: Serving, registry: Registry, prefix: str) -> APIRouter:
             endpoints[job.name],
             methods=methods,
             name=f"trigger:{job.name}",
+            # The document's group of triggers, as before the router was a library's.
+            tags=["jobs"],
             route_class_override=TriggerRoute,
             **api.trigger_route_options(job),
         )
