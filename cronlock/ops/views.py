@@ -628,9 +628,25 @@ async def _expired_lease(
             found = await lease.current(conn, registry.schema, job, key)
     if found is None:
         return None
+    return _held_without_a_lock(
+        registry, job, key, "lease", "expired", found.id, lease_expires_at=found.expires_at
+    )
+
+
+def _held_without_a_lock(
+    registry: Registry,
+    job: str,
+    key: str | None,
+    kind: Literal["lease", "fanout"],
+    state: str,
+    run_id: int,
+    lease_expires_at: datetime | None = None,
+) -> LockView:
+    """The lock view of a run that holds its job by a row, not an advisory lock (a lease
+    that ran out, a fan-out's items): the job's key, no backend, no holder."""
     lk = registry.lock(job, key)
     return LockView(
-        kind="lease",
+        kind=kind,
         job=job,
         job_key=key,
         key=str(lk.key),
@@ -639,11 +655,11 @@ async def _expired_lease(
         pid=None,
         holder=None,
         instance=None,
-        state="expired",
+        state=state,
         held_for=None,
         granted=True,
-        run_id=found.id,
-        lease_expires_at=found.expires_at,
+        run_id=run_id,
+        lease_expires_at=lease_expires_at,
     )
 
 
@@ -658,22 +674,7 @@ async def _fanout_run(
             run_id = await fanout.running(conn, registry.schema, job, key)
     if run_id is None:
         return None
-    lk = registry.lock(job, key)
-    return LockView(
-        kind="fanout",
-        job=job,
-        job_key=key,
-        key=str(lk.key),
-        classid=lk.classid,
-        objid=lk.objid,
-        pid=None,
-        holder=None,
-        instance=None,
-        state="running",
-        held_for=None,
-        granted=True,
-        run_id=run_id,
-    )
+    return _held_without_a_lock(registry, job, key, "fanout", "running", run_id)
 
 
 async def _cancel_fanout(
