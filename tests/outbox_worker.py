@@ -6,15 +6,24 @@ drain` in production; SIGTERM stops it gracefully.
 
 from __future__ import annotations
 
-import asyncio
+import signal
 import sys
+from types import FrameType
 
-from cronlock import logs
-from cronlock.delivery import sender
-from cronlock.settings import Settings
+
+def _stopped_early(signum: int, frame: FrameType | None) -> None:
+    # A SIGTERM before the sender installs its own handler (a slow machine still importing):
+    # nothing is claimed yet, so stopping here is as graceful as stopping later.
+    raise SystemExit(0)
 
 
 def main(argv: list[str]) -> int:
+    import asyncio
+
+    from cronlock import logs
+    from cronlock.delivery import sender
+    from cronlock.settings import Settings
+
     settings = Settings(_env_file=None)
     logs.setup("json", settings.log_level)
     asyncio.run(sender.run_sender(settings, once="--once" in argv))
@@ -22,4 +31,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stopped_early)
     raise SystemExit(main(sys.argv[1:]))

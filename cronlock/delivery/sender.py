@@ -1028,25 +1028,30 @@ async def _run_sender(settings: Settings, *, once: bool) -> None:
     wanted = settings.outbox_concurrency + 2
     if settings.db_pool_max_size < wanted:
         settings = settings.model_copy(update={"db_pool_max_size": wanted})
-    pool = await db.create_pool(settings, settings.database_url)
-    mailer = create_mailer(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    sender = Sender(pool, settings, mailer, settings.instance_name)
+    sender: Sender | None = None
 
     def on_signal() -> None:
         stop.set()
-        sender.stop_claiming()  # `--once`: the batch in hand is not sent on either
+        if sender is not None:
+            sender.stop_claiming()  # `--once`: the batch in hand is not sent on either
 
+    # Installed before the pool connects: from here on a SIGTERM always stops gracefully.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     try:
-        if once:
-            await _drain_until_empty(sender, stop)
-        else:
-            await sender.run(stop)
+        pool = await db.create_pool(settings, settings.database_url)
+        mailer = create_mailer(settings)
+        try:
+            sender = Sender(pool, settings, mailer, settings.instance_name)
+            if once:
+                await _drain_until_empty(sender, stop)
+            else:
+                await sender.run(stop)
+        finally:
+            await mailer.aclose()
+            await asyncio.wait_for(pool.close(), settings.outbox_shutdown_timeout)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await mailer.aclose()
-        await asyncio.wait_for(pool.close(), settings.outbox_shutdown_timeout)
