@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from types import TracebackType
@@ -48,12 +49,16 @@ class JobDefinitionError(ConfigurationError):
     """A job is declared wrongly (bad name, schedule, colliding lock key); start-up stops."""
 
 
-def install_excepthook() -> None:
-    """Make a process that dies of a ConfigurationError print its one line, not a traceback.
+def install_one_line_errors() -> None:
+    """Make a ConfigurationError that stops a process print its one line, not a traceback.
 
     An app's module builds its `Cronlock` and declares its jobs at import time, where
-    uvicorn (or any runner) would print the traceback of a mistake in them; the line says
-    what to change and the traceback adds nothing. Every other exception is shown as before.
+    uvicorn (or any runner) would print the traceback of a mistake in them: the excepthook
+    prints the line instead. A mistake found when the app's lifespan starts (the router
+    included twice, two Cronlocks on one schema) reaches uvicorn as the traceback Starlette
+    formats into its `lifespan.startup.failed` message: a filter on uvicorn's logger turns
+    that into the same line. The line says what to change and the traceback adds nothing;
+    every other exception is shown as before.
     """
     previous = sys.excepthook
     if getattr(previous, "cronlock", False):
@@ -66,10 +71,35 @@ def install_excepthook() -> None:
         if cause is None:
             previous(kind, exc, tb)
             return
-        print(f"cronlock: cannot start: {cause}", file=sys.stderr)
+        print(f"{CANNOT_START}{cause}", file=sys.stderr)
 
     hook.cronlock = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+    logging.getLogger("uvicorn.error").addFilter(_lifespan_line)
+
+
+CANNOT_START = "cronlock: cannot start: "
+
+
+def _lifespan_line(record: logging.LogRecord) -> bool:
+    """A logged traceback whose exception is a ConfigurationError becomes its one line."""
+    text = record.getMessage()
+    if not text.startswith("Traceback (most recent call last):"):
+        return True
+    last = text.rstrip().rpartition("\n")[2]
+    for kind in _configuration_errors(ConfigurationError):
+        name = f"{kind.__module__}.{kind.__qualname__}: "
+        if last.startswith(name):
+            record.msg, record.args = CANNOT_START + last.removeprefix(name), ()
+            break
+    return True
+
+
+def _configuration_errors(kind: type[ConfigurationError]) -> list[type[ConfigurationError]]:
+    found = [kind]
+    for sub in kind.__subclasses__():
+        found += _configuration_errors(sub)
+    return found
 
 
 class TransactionRequired(CronlockError):

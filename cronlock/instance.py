@@ -18,7 +18,7 @@ but what it is asked to add: routes (`router`), the dashboard (`dashboard`, to m
 
 Mistakes of configuration are `SettingsError` or `JobDefinitionError`, raised as early as they
 can be seen (construction, declaration, the first look at the router) with a one-line message;
-a process that dies of one prints that line, not a traceback (`errors.install_excepthook`).
+a process that dies of one prints that line, not a traceback (`errors.install_one_line_errors`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from cronlock.db.helper import job_lock as take_job_lock
 from cronlock.db.orm import require_sqlalchemy
 from cronlock.db.pool import Database
 from cronlock.delivery import alerts, sender
-from cronlock.errors import JobDefinitionError, install_excepthook
+from cronlock.errors import JobDefinitionError, install_one_line_errors
 from cronlock.settings import Settings, SettingsError
 from cronlock.tracing import Tracing
 from cronlock.version import __version__
@@ -123,7 +123,7 @@ class Cronlock:
         AsyncEngine to take connections from, and the class of `ctx.session` (docs/orm.md).
         `tracer_provider`: an OpenTelemetry tracer provider to trace with instead of the
         global one (docs/tracing.md)."""
-        install_excepthook()
+        install_one_line_errors()
         if settings is None:
             try:
                 settings = Settings()

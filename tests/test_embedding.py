@@ -456,6 +456,56 @@ def test_a_process_that_dies_of_a_mistake_prints_one_line(tmp_path: Path) -> Non
         assert "Traceback" not in result.stderr, name
 
 
+@pytest.mark.slow  # a uvicorn process per case
+def test_a_mistake_found_when_the_lifespan_starts_is_one_line_under_uvicorn(
+    tmp_path: Path,
+) -> None:
+    """The router included twice and two Cronlocks on one schema are found when the app's
+    lifespan starts, where uvicorn logs the traceback Starlette formats: one line instead."""
+    repo = Path(__file__).resolve().parent.parent
+    head = (
+        "import contextlib\n"
+        "from fastapi import FastAPI\n"
+        "from cronlock import Cronlock, Settings\n"
+        f"settings = Settings(_env_file=None, cron_secret={TEST_SECRET!r},"
+        " database_url='postgresql://nobody@127.0.0.1:9/none')\n"
+    )
+    cases = {
+        "included twice": (
+            "cron = Cronlock(settings)\n"
+            "app = FastAPI(lifespan=cron.lifespan)\n"
+            "app.include_router(cron.router)\n"
+            "app.include_router(cron.router, prefix='/again')\n",
+            "cronlock: cannot start: cron.router is included twice in this app: include it once "
+            "(one prefix per Cronlock)",
+        ),
+        "two on one schema": (
+            "one, other = Cronlock(settings), Cronlock(settings, prefix='/other')\n"
+            "@contextlib.asynccontextmanager\n"
+            "async def both(app):\n"
+            "    async with one.running(), other.running():\n"
+            "        yield\n"
+            "app = FastAPI(lifespan=both)\n",
+            "cronlock: cannot start: two Cronlocks on schema 'cronlock' of one database in this "
+            "process: give each its own DB_SCHEMA (Settings(db_schema=...))",
+        ),
+    }
+    for name, (source, line) in cases.items():
+        (tmp_path / "main.py").write_text(head + source)
+        result = subprocess.run(
+            [sys.executable, "-m", "uvicorn", "main:app", "--port", "0"],
+            cwd=tmp_path,
+            env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 3, (name, result.stderr)  # uvicorn's "startup failed"
+        # uvicorn's own format: its level, then the line.
+        assert result.stderr.splitlines().count(f"ERROR:    {line}") == 1, (name, result.stderr)
+        assert "Traceback" not in result.stderr, (name, result.stderr)
+
+
 async def test_cronlock_on_the_apps_engine_with_its_orm_session(
     library_settings: Callable[..., Settings],
     dispatch: Dispatch,
