@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import asyncpg
 
@@ -104,6 +104,28 @@ class _Start:
 
     at: datetime
     taken: float
+
+
+class _Outcome(Protocol):
+    @property
+    def outcome(self) -> str: ...
+
+
+M = TypeVar("M", bound=_Outcome)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit(Generic[M]):
+    """One send as `Sender._send` sees it: a claimed row (under its claim's lease) or a
+    claimed batch (its own lease), and what attempting, finishing and giving it back are."""
+
+    kind: Literal["row", "batch"]
+    id: int
+    size: int  # emails
+    lease: Claim | Batch
+    attempt: Callable[[_Start | None], Awaitable[M | None]]
+    finish: Callable[[M], Awaitable[None]]
+    give_back: Callable[[bool], Awaitable[None]]  # (attempted)
 
 
 class OutcomeRefused(Exception):
@@ -254,49 +276,81 @@ class Sender:
             await asyncio.sleep(min(space.wait, s.outbox_poll_interval))
 
     async def _deliver(self, batch: Claim, row: Row) -> None:
-        """Send one claimed row and write its outcome; gives the row back if it was not sent.
+        """Send one claimed row and write its outcome (`_send`)."""
+        await self._send(
+            _Unit(
+                "row",
+                row.id,
+                1,
+                batch,
+                attempt=lambda turn: self._attempt(row, turn),
+                finish=lambda outcome: self._finish(batch, row, outcome),
+                give_back=lambda attempted: self._give_back(batch, row, attempted=attempted),
+            )
+        )
 
-        A row whose send ended but whose outcome could not be written (a bug, a cut-off at
+    async def _deliver_batch(self, batch: Batch) -> None:
+        """Send one claimed batch and write its outcome (`_send`); one given back is unchanged:
+        the next attempt sends the same members, bytes and key."""
+        await self._send(
+            _Unit(
+                "batch",
+                batch.id,
+                batch.size,
+                batch,
+                attempt=lambda turn: self._attempt_batch(batch, turn),
+                finish=lambda outcome: self._finish_batch(batch, outcome),
+                give_back=lambda attempted: self._give_back_batch(batch, attempted=attempted),
+            )
+        )
+
+    async def _send(self, unit: _Unit[Any]) -> None:
+        """Send one claimed row or batch within a slot and a turn, write its outcome, and give
+        it back if it was not sent.
+
+        One whose send ended but whose outcome could not be written (a bug, a cut-off at
         shutdown) is never given back due at once: it may have been delivered, and a retry
         needs its backoff. Its lease is that backoff."""
         started = False
         finished = False
-        outcome: Mark | None = None
+        outcome: _Outcome | None = None
         try:
             async with self._slots:
-                if self._stopping or not self._lease_allows_send(batch):
+                if self._stopping or not self._lease_allows_send(unit.lease):
                     return
-                turn = await self._take_turn(batch.deadline)
-                if turn is False or self._stopping or not self._lease_allows_send(batch):
+                turn = await self._take_turn(unit.lease.deadline)
+                if turn is False or self._stopping or not self._lease_allows_send(unit.lease):
                     return
                 started = True
-                outcome = await self._attempt(row, turn)
+                outcome = await unit.attempt(turn)
                 if outcome is None:  # 429: not an attempt; given back, due when the pause ends
                     started = False
                     return
             # Outside the slot: the next send starts while this outcome is being written.
-            await self._finish(batch, row, outcome)
+            await unit.finish(outcome)
             finished = True
         except Exception:
             if outcome is None:
                 raise
             finished = True
-            self.stats.unwritten += 1
+            self.stats.unwritten += unit.size
             log.exception(
-                "could not record outbox row %s as %s; it comes back after its lease",
-                row.id,
+                "could not record outbox %s %s as %s; it comes back after its lease",
+                unit.kind,
+                unit.id,
                 outcome.outcome,
-                extra={"event": "outbox_unwritten", "row": row.id, "instance": self.instance},
+                extra={"event": "outbox_unwritten", unit.kind: unit.id, "instance": self.instance},
             )
         finally:
             if not finished:
                 if outcome is None:
-                    await self._give_back(batch, row, attempted=started)
+                    await unit.give_back(started)
                 else:
                     log.warning(
-                        "outbox row %s: outcome %s not recorded (stopped); it comes back "
+                        "outbox %s %s: outcome %s not recorded (stopped); it comes back "
                         "after its lease",
-                        row.id,
+                        unit.kind,
+                        unit.id,
                         outcome.outcome,
                     )
             self._held -= 1
@@ -613,51 +667,6 @@ class Sender:
                 self._rate_wait = space.wait
                 return None
             await asyncio.sleep(min(space.wait, s.outbox_poll_interval))
-
-    async def _deliver_batch(self, batch: Batch) -> None:
-        """Send one claimed batch and write its outcome; gives it back if it was not sent
-        (unchanged: the next attempt sends the same members, bytes and key)."""
-        started = False
-        finished = False
-        outcome: BatchMark | None = None
-        try:
-            async with self._slots:
-                if self._stopping or not self._lease_allows_send(batch):
-                    return
-                turn = await self._take_turn(batch.deadline)
-                if turn is False or self._stopping or not self._lease_allows_send(batch):
-                    return
-                started = True
-                outcome = await self._attempt_batch(batch, turn)
-                if outcome is None:  # 429: not an attempt; given back, due when the pause ends
-                    started = False
-                    return
-            await self._finish_batch(batch, outcome)
-            finished = True
-        except Exception:
-            if outcome is None:
-                raise
-            finished = True
-            self.stats.unwritten += batch.size
-            log.exception(
-                "could not record outbox batch %s as %s; it comes back after its lease",
-                batch.id,
-                outcome.outcome,
-                extra={"event": "outbox_unwritten", "batch": batch.id, "instance": self.instance},
-            )
-        finally:
-            if not finished:
-                if outcome is None:
-                    await self._give_back_batch(batch, attempted=started)
-                else:
-                    log.warning(
-                        "outbox batch %s: outcome %s not recorded (stopped); it comes back "
-                        "after its lease",
-                        batch.id,
-                        outcome.outcome,
-                    )
-            self._held -= 1
-            self._changed.set()
 
     async def _attempt_batch(self, batch: Batch, start: _Start | None = None) -> BatchMark | None:
         """As `_attempt`, for a batch (None: a 429, given back unchanged)."""
