@@ -81,7 +81,7 @@ ENQUEUE_SQL = """
 INSERT INTO cronlock.email_outbox (idempotency_key, job, slot, user_id, sender, recipient,
                                    subject, body)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-ON CONFLICT (job, slot, user_id) DO NOTHING
+ON CONFLICT DO NOTHING
 """
 BODY = "Hello {email},\n\nhere is what happened since your last digest.\n"
 
