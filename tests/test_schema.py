@@ -5,9 +5,11 @@ CREATE, migrations a DBA can review, and errors in one line."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -634,18 +636,26 @@ async def test_a_migration_that_fails_is_one_line_and_backs_off(
 
 
 class CountingDatabase(Database):
-    checks = 0
+    """Records when each check starts and ends (time.monotonic())."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.spans: list[tuple[float, float]] = []
 
     async def check(self, *, apply_migrations: bool) -> str | None:
-        self.checks += 1
-        return await super().check(apply_migrations=apply_migrations)
+        started = time.monotonic()
+        try:
+            return await super().check(apply_migrations=apply_migrations)
+        finally:
+            self.spans.append((started, time.monotonic()))
 
 
 @pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_the_watcher_backs_off_while_a_migration_keeps_failing(
     fresh_url: str, fresh: asyncpg.Connection
 ) -> None:
-    """0.1 s doubling up to 0.4 s: 7 or so checks in 2 s, not the 20 a fixed interval makes."""
+    """0.1 s doubling up to 0.4 s between checks, not a fixed interval (the waits between
+    checks are measured, not counted in a window: a check's own time depends on the machine)."""
     await fresh.execute(APP_SQL)
     settings = Settings(
         _env_file=None,
@@ -659,14 +669,22 @@ async def test_the_watcher_backs_off_while_a_migration_keeps_failing(
     stop = asyncio.Event()
     try:
         watching = asyncio.create_task(database.watch(stop))
-        await asyncio.sleep(2.0)
+
+        async def five_checks() -> bool:
+            return len(database.spans) >= 5
+
+        await wait_for(five_checks, 20, "five checks")
         stop.set()
         await watching
     finally:
         await database.close()
     assert database.problem is not None
     assert "0001_users failed" in database.problem
-    assert 4 <= database.checks <= 9, database.checks
+    spans = database.spans[:5]
+    waits = [b[0] - a[1] for a, b in itertools.pairwise(spans)]
+    for wait, wanted in zip(waits, (0.1, 0.2, 0.4, 0.4), strict=True):
+        # Never sooner than the backoff says; later only by a busy event loop's lag.
+        assert wanted * 0.95 <= wait <= wanted + 0.5, waits
 
 
 async def test_a_migration_waiting_for_the_applications_lock_gives_up(
