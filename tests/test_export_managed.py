@@ -50,7 +50,7 @@ def make_job(name: str, expr: str | None, tz: str = "UTC", **kw: Any) -> Job:
 
 # Several zones: daylight saving (north and south, a half-hour one), none, half-hour offsets,
 # a job with params, cron's OR rule, a long job, a name no provider takes as it is.
-JOBS = {
+JOBS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "digest-berlin": ("0 7 * * 1-5", "Europe/Berlin", {"params": Digest, "timeout": 120}),
     "gap-berlin": ("30 2 * * *", "Europe/Berlin", {}),
     "weekdays-new-york": ("15 9 * * mon-fri", "America/New_York", {}),
@@ -85,7 +85,7 @@ def assert_same_ticks(job: Job, expressions: list[str], tz: str) -> None:
     """The expressions, read by cron's rules in `tz`, tick exactly when the job does over a
     year: none missing, none extra. Each restricts at most one day field, so no scheduler can
     read it another way."""
-    assert job.schedule is not None
+    assert isinstance(job.schedule, Schedule)
     assert tz == job.schedule.tz
     for expr in expressions:
         _, _, dom, _, dow = expr.split()
@@ -162,16 +162,16 @@ def test_cloud_scheduler_lines_parse_back(registry: Registry, tmp_path: Path) ->
     lines = [shlex.split(line) for line in text.splitlines() if line.startswith("gcloud ")]
     assert argvs == lines
     by_job: dict[str, list[argparse.Namespace]] = {}
-    for job in gcloud_jobs(argvs):
-        name = job.uri.removeprefix(f"{URL}/cron/").removesuffix("?wait=false")
-        by_job.setdefault(name, []).append(job)
-        assert job.location == "europe-west3"
-        assert re.fullmatch(r"[A-Za-z0-9_-]{1,500}", job.job), job.job
-        assert job.http_method == "POST"
-        assert job.oidc_service_account_email == ACCOUNT
-        assert job.oidc_token_audience == job.uri  # what the service compares by default
-        assert job.max_retry_attempts == "0"
-        deadline = int(job.attempt_deadline.removesuffix("s"))
+    for entry in gcloud_jobs(argvs):
+        name = entry.uri.removeprefix(f"{URL}/cron/").removesuffix("?wait=false")
+        by_job.setdefault(name, []).append(entry)
+        assert entry.location == "europe-west3"
+        assert re.fullmatch(r"[A-Za-z0-9_-]{1,500}", entry.job), entry.job
+        assert entry.http_method == "POST"
+        assert entry.oidc_service_account_email == ACCOUNT
+        assert entry.oidc_token_audience == entry.uri  # what the service compares by default
+        assert entry.max_retry_attempts == "0"
+        deadline = int(entry.attempt_deadline.removesuffix("s"))
         assert 15 <= deadline <= 1800
     expected = {n for n in JOBS} | {"every-2h"}
     assert set(by_job) == expected
