@@ -461,7 +461,10 @@ def test_eventbridge_template_parses_back(registry: Registry) -> None:
 # --- what cannot be exported ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["cloud-scheduler", "qstash", "eventbridge"])
+MANAGED = ("cloud-scheduler", "qstash", "eventbridge")
+
+
+@pytest.mark.parametrize("fmt", MANAGED)
 def test_what_a_provider_cannot_express_is_refused_by_name(fmt: str) -> None:
     # `*/2` starts with `*`: cron's AND rule (odd days that are Fridays), which no provider
     # documents; a day field that names every day is no restriction and exports fine.
@@ -486,6 +489,22 @@ def test_what_a_provider_cannot_express_is_refused_by_name(fmt: str) -> None:
 
     with pytest.raises(ExportError, match="--skip: no job named nope"):
         export_text(and_rule, fmt, skip=["nope"])
+
+
+class Customer(BaseModel):
+    customer_id: int
+
+
+def test_keyed_jobs_are_left_out_with_a_note() -> None:
+    """Only the operator knows a keyed job's keys: no format writes an entry without one."""
+    keyed = make_job("sync", "0 * * * *", params=Customer, key="customer_id")
+    reg = Registry({"sync": keyed, "nightly": make_job("nightly", "0 3 * * *")})
+    for fmt in ("crontab", "kubernetes", "vercel", "compose", *MANAGED):
+        text, notes = export_text(reg, fmt)
+        assert "/cron/sync" not in text, fmt
+        assert '"sync"' not in text, fmt  # nor a JSON value (eventbridge's job, vercel's path)
+        assert "nightly" in text, fmt
+        assert any(n.startswith("sync: keyed by customer_id: one entry per key") for n in notes)
 
 
 def test_options_are_checked() -> None:

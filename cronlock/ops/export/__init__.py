@@ -429,6 +429,13 @@ def export(
         for j in registry.values()
         if not j.schedule
     ]
+    # A keyed job's trigger carries its key, which only its operator knows (scheduled_jobs).
+    notes += [
+        f"{j.name}: keyed by {j.key}: one entry per key, with its body, is yours to write "
+        "(docs/keyed-jobs.md); not exported"
+        for j in registry.values()
+        if j.schedule and j.key is not None
+    ]
     registry, interval_notes = as_cron(registry)
     notes += interval_notes
     if fmt == "crontab":
