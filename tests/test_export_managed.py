@@ -519,6 +519,7 @@ def test_options_are_checked() -> None:
         export_text(one, "cloud-scheduler", service_account="a@b\r")
     # Provider names: only their alphabet, within their length, never two jobs on one name.
     assert resource_name("a.b", "", limit=64) != resource_name("a-b", "", limit=64)
+    assert resource_name("x", "dom", limit=64) != resource_name("x-dom", "", limit=64)
     long = resource_name("x" * 100, "dow", limit=64, allowed="A-Za-z0-9_.-")
     assert AWS_NAME.fullmatch(long)
 

@@ -127,11 +127,12 @@ def aws_variants(job: Job) -> list[tuple[str, str]]:
 
 
 def resource_name(job: str, suffix: str, *, limit: int, allowed: str = "A-Za-z0-9_-") -> str:
-    """`cronlock-<job>[-<suffix>]` in a provider's alphabet and length; a short digest of the
-    job's own name when it had to change, so that two jobs never share a name."""
+    """`cronlock-<job>[-<suffix>]` in a provider's alphabet and length, with a short digest
+    when it had to change or has a suffix, so that two entries never share a name (job `x`'s
+    `dom` entry is not job `x-dom`'s)."""
     base = f"cronlock-{job}" + (f"-{suffix}" if suffix else "")
     name = re.sub(f"[^{allowed}]", "-", base)
-    if name != base or len(name) > limit:
+    if suffix or name != base or len(name) > limit:
         digest = hashlib.sha256(base.encode()).hexdigest()[:6]
         name = f"{name[: limit - 7]}-{digest}"
     return name
