@@ -174,8 +174,8 @@ CLOUD_SCHEDULER_HEADER = """\
 # first (`gcloud scheduler jobs delete NAME --location={location} --quiet`).
 # Each job runs in its own time zone (--time-zone) and sends a Google-signed OIDC ID token
 # for {account}; the service accepts it with TRIGGER_AUTH=...,oidc and
-# OIDC_ALLOWED_EMAILS={account}; no secret is written anywhere. The account needs nothing
-# but to exist; whoever runs this needs iam.serviceAccounts.actAs on it.
+# OIDC_ALLOWED_EMAILS={account}; no secret is written anywhere. The account needs no role
+# for a target outside Google; whoever runs this needs iam.serviceAccounts.actAs on it.
 # --max-retry-attempts=0: a failed run is retried by the job's own retries=, not by a second
 # POST. A job longer than Cloud Scheduler's 30-minute deadline is triggered with wait=false
 # (202 once it holds its lock; the run goes on).
