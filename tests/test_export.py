@@ -31,6 +31,7 @@ from cronlock.ops.export import (
 from tests.support import TEST_SECRET
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
+SERVICE_ACCOUNT = "cron@my-project.iam.gserviceaccount.com"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -465,7 +466,7 @@ def test_interval_jobs_export_as_exact_cron_or_not_at_all() -> None:
     ]
     reg = Registry({j.name: j for j in jobs})
     for fmt in FORMATS:
-        text, notes = export(reg, fmt, start=START)
+        text, notes = export(reg, fmt, start=START, service_account=SERVICE_ACCOUNT)
         assert "five-minutes" in text, fmt
         assert "half-minute" not in text, fmt
         assert any("half-minute" in n and "SCHEDULER_ENABLED=true" in n for n in notes), fmt
