@@ -58,10 +58,14 @@ async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
             elsewhere = [] if here is None else await ledgers_elsewhere(conn, settings)
             warning = None
             if here is not None and elsewhere:
+                others = ", ".join(elsewhere)
+                if len(elsewhere) == 1:
+                    others = f"database {others} of the same server has one"
+                else:
+                    others = f"databases {others} of the same server have one"
                 warning = (
                     f"database {here} has no cronlock schema ({settings.db_schema}) but "
-                    f"{_names(elsewhere)} of the same server has one: DATABASE_URL may name the "
-                    "wrong database"
+                    f"{others}: DATABASE_URL may name the wrong database"
                 )
             if args.dry_run or args.sql:
                 found = await schema.status(conn, settings.db_schema, sets)
@@ -76,8 +80,8 @@ async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
                 asked = warning is not None and here is not None and not args.yes
                 if asked and not await _confirmed(f"{warning}. Create a second ledger in {here}?"):
                     return fail(
-                        f"{warning}; point DATABASE_URL at it, or pass --yes to create a "
-                        f"second ledger in {here}",
+                        f"{warning}; point DATABASE_URL at the right one, or pass --yes to "
+                        f"create a second ledger in {here}",
                         EXIT_USAGE,
                     )
                 applied = await schema.migrate(
@@ -127,10 +131,6 @@ async def ledgers_elsewhere(conn: asyncpg.Connection, settings: Settings) -> lis
             with contextlib.suppress(Exception):
                 await other.close()
     return found
-
-
-def _names(databases: list[str]) -> str:
-    return "database " + ", ".join(databases)
 
 
 async def _confirmed(question: str) -> bool:
