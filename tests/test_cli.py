@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.server
 import json
 import os
@@ -28,9 +29,11 @@ from typing import Any, ClassVar
 import asyncpg
 import httpx
 import pytest
+from pydantic import BaseModel
 
-from cronlock.cli import common
+from cronlock.cli import common, serve
 from cronlock.cli import main as cli
+from cronlock.core.jobs import Registry, load
 from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
@@ -867,3 +870,151 @@ async def test_serve_with_nothing_configured_starts_what_it_needs(
     finally:
         served.stop(5)
     assert not pid_file.exists(), "the embedded PostgreSQL outlived serve"
+
+
+def cli_in(folder: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`python -m cronlock ARGS` as a process in `folder`, with no DATABASE_URL unless given."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("CRON_", "DATABASE_"))}
+    full.pop("EMBEDDED_PG_DIR", None)
+    full.update(env, PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "cronlock", *args],
+        cwd=folder,
+        env=full,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=90,
+    )
+
+
+async def test_the_cli_finds_the_embedded_server_serve_runs(
+    serve_dir: Path, report_logs: Callable[[list[Instance]], None]
+) -> None:
+    """The quick start's next step: with no DATABASE_URL, the CLI run in serve's folder reads
+    the embedded server that serve runs (its `cronlock` database: the runs serve made). What
+    serve prints is true: the secret generated, then reused; a curl line for a job it serves
+    (the demo's, then another when CRON_JOBS has no demo); a second serve on the same port or
+    folder refuses before any hint. With serve stopped, the CLI says what to set, exit 2."""
+    served = Served("front", {}, dir=serve_dir, ready_path="/readyz", ready_timeout=90)
+    report_logs([served])
+    served.start()
+    try:
+        printed = served.output_path.read_text()
+        assert "no CRON_SECRET set; generated one into var/cron_secret (mode 0600)" in printed
+        assert "using var/cron_secret" not in printed
+        curl = f"curl -X POST -H @var/cron_auth_header {served.url}/cron/daily-digest"
+        assert curl in printed
+        header = (serve_dir / "var" / "cron_auth_header").read_text().strip()
+        name, value = header.split(": ", 1)
+        async with httpx.AsyncClient(timeout=30, base_url=served.url) as client:
+            ran = await client.post("/cron/daily-digest", headers={name: value})
+        assert ran.status_code == 200, ran.text
+        listed = await asyncio.to_thread(
+            cli_in, serve_dir, "runs", "--job", "daily-digest", "--json"
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert [r["id"] for r in json.loads(listed.stdout)["runs"]] == [ran.json()["run_id"]]
+        table = await asyncio.to_thread(cli_in, serve_dir, "jobs")
+        assert table.returncode == 0, table.stderr
+        assert "daily-digest" in table.stdout
+        # A second serve: the same port, then the same folder on another port.
+        for port in (served.port, None):
+            args = ["serve", "--host", "127.0.0.1", "--port", str(port or 0)]
+            second = await asyncio.to_thread(cli_in, serve_dir, *args)
+            said = second.stdout + second.stderr
+            assert second.returncode == 3, said
+            assert said.count("\n") == 1, said
+            assert "curl" not in said
+            expected = "cannot listen on 127.0.0.1" if port else "in use by another process"
+            assert expected in said
+        os.kill(served.pid, signal.SIGTERM)
+        assert await asyncio.to_thread(served.wait_exit, 30) == 128 + signal.SIGTERM
+    finally:
+        served.stop(5)
+    stopped = await asyncio.to_thread(cli_in, serve_dir, "runs")
+    assert stopped.returncode == 2, stopped.stderr
+    assert stopped.stderr.count("\n") == 1, stopped.stderr
+    assert "the embedded PostgreSQL in var/pg is not running" in stopped.stderr
+    assert "set DATABASE_URL" in stopped.stderr
+    elsewhere = await asyncio.to_thread(cli_in, serve_dir / "var", "jobs")
+    assert elsewhere.returncode == 2, elsewhere.stderr
+    assert "there is no embedded PostgreSQL in var/pg" in elsewhere.stderr
+    assert "set DATABASE_URL=postgresql://" in elsewhere.stderr
+    # Started again, without the demo: the file is reused, and the curl line names a job the
+    # service has.
+    again = Served("again", {"CRON_JOBS": "tests.jobs"}, dir=serve_dir, ready_path="/readyz")
+    report_logs([again])
+    again.start()
+    try:
+        printed = again.output_path.read_text()
+        assert "no CRON_SECRET set; using var/cron_secret" in printed
+        assert "generated" not in printed
+        assert "daily-digest" not in printed
+        shown = serve.curl_job(load(["tests.jobs"]))
+        assert shown is not None
+        assert f"trigger {shown} with:" in printed
+        assert f"-H @var/cron_auth_header {again.url}/cron/{shown}\n" in printed
+    finally:
+        again.stop(5)
+
+
+def test_serve_shows_a_curl_line_only_for_a_job_a_bare_post_runs() -> None:
+    """The demo's digest when served; never a housekeeping job, nor one whose params a bare
+    POST lacks (a 422) or that needs a key: no line rather than a wrong one."""
+    assert serve.curl_job(load(["cronlock.demo.digest", "cronlock.housekeeping"])) == "daily-digest"
+    assert serve.curl_job(load(["cronlock.housekeeping"])) is None
+    tests_jobs = load(["tests.jobs"])
+    chosen = serve.curl_job(tests_jobs)
+    assert chosen is not None
+    assert tests_jobs[chosen].module == "tests.jobs"
+    assert tests_jobs[chosen].key is None
+    params = tests_jobs[chosen].params
+    assert params is None or params.model_validate({}) is not None
+    # A required field (a bare POST is a 422), a key to give: no line.
+    required = dataclasses.replace(tests_jobs["slow"], params=NeedsTo)
+    assert serve.curl_job(Registry(jobs={"slow": required})) is None
+    assert tests_jobs["keyed"].key is not None
+    assert serve.curl_job(Registry(jobs={"keyed": tests_jobs["keyed"]})) is None
+    assert serve.curl_job(Registry(jobs={"slow": tests_jobs["slow"]})) == "slow"  # a default
+
+
+class NeedsTo(BaseModel):
+    to: str
+
+
+@pytest.mark.parametrize(
+    ("argv0", "shown"),
+    [
+        ("/venv/bin/cronlock", "cronlock"),
+        ("/src/cronlock/__main__.py", "python -m cronlock"),
+        ("/src/app/__main__.py", "python -m app"),
+    ],
+)
+def test_help_names_the_program_as_typed(argv0: str, shown: str) -> None:
+    assert cli.program_name(argv0) == shown
+
+
+def test_help_as_a_process_names_the_program_as_typed() -> None:
+    """`python -m app --help`, `python -m cronlock --help` and the `cronlock` console script."""
+    script = Path(sys.executable).parent / "cronlock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CRON_", "DATABASE_"))}
+    env["PYTHONPATH"] = str(REPO)
+    commands = {
+        "python -m app": [sys.executable, "-m", "app"],
+        "python -m cronlock": [sys.executable, "-m", "cronlock"],
+        "cronlock": [str(script)],
+    }
+    for shown, command in commands.items():
+        done = subprocess.run(
+            [*command, "migrate", "--help"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"usage: {shown} migrate "), done.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -35,7 +36,12 @@ def test_shown_output_is_current() -> None:
     """Every `<!-- output: STEP -->` block is what its commands print now, times aside."""
     script = load_script()
     blocks = [b for page in PAGES for b in script.find_blocks(page, page.read_text())]
-    assert {b.step for b in blocks} >= {"readme/first", "operating/jobs", "scheduler/crontab"}
+    assert {b.step for b in blocks} >= {
+        "readme/first",
+        "readme/request",
+        "operating/jobs",
+        "scheduler/crontab",
+    }
     bodies = script.generate(blocks)
     stale = [
         f"{b.path.relative_to(REPO)} ({b.step}):\n--- shown\n{b.body}--- now\n{now}"
@@ -43,6 +49,26 @@ def test_shown_output_is_current() -> None:
         if script.stale(b, now := bodies[(b.path, b.step)])
     ]
     assert not stale, "output in the docs is stale: run scripts/docs-output\n\n" + "\n".join(stale)
+
+
+def test_the_readme_follows_the_run_its_answer_gave() -> None:
+    """The README's request block, run in order (test_shown_output_is_current runs it against
+    a real service): a 202's run_id is the id the next command follows, and the slot it shows
+    done answers a bare `wait=false` with "already done", as shown."""
+    script = load_script()
+    [block] = [
+        b
+        for b in script.find_blocks(REPO / "README.md", (REPO / "README.md").read_text())
+        if b.step == "readme/request"
+    ]
+    lines = block.body.splitlines()
+    started = [i for i, line in enumerate(lines) if '"run_id"' in line and "processed" not in line]
+    assert started, block.body
+    run_id = json.loads(lines[started[-1]])["run_id"]
+    following = next(line for line in lines[started[-1] :] if line.startswith("$ "))
+    assert following.endswith(f"/cron/runs/{run_id}"), following
+    assert json.loads(lines[lines.index(following) + 1])["id"] == run_id
+    assert '"reason":"already done"' in lines[1]
 
 
 def test_mask_hides_only_what_changes_between_runs() -> None:

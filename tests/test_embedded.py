@@ -696,7 +696,7 @@ def test_serve_lets_no_other_os_user_in(scratch: Path, given: str) -> None:
         assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
         pg_port = int((data / "postmaster.pid").read_text().splitlines()[3])
         url = f"postgresql://postgres@127.0.0.1:{pg_port}/cronlock?passfile={passfile}"
-        assert f"({url})" in said
+        assert f"DATABASE_URL={url}\n" in said
         upgraded = [line for line in said.splitlines() if "upgraded" in line]
         if found is None:
             assert upgraded == []

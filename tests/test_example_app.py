@@ -157,7 +157,9 @@ async def example(
     try:
         setup = {**_clean_env(), **env, "PYTHONPATH": str(TEST_JOBS)}
         _run([str(example_python), "-m", "app.initial_data"], 60, cwd=EXAMPLE, env=setup)
-        _run([str(example_python), "-m", "cronlock", "migrate"], 60, cwd=EXAMPLE, env=setup)
+        # --yes: the test cluster's other databases hold ledgers of their own.
+        migrate = [str(example_python), "-m", "cronlock", "migrate", "--yes"]
+        _run(migrate, 60, cwd=EXAMPLE, env=setup)
         for number in range(1, INSTANCES + 1):
             instance = ExampleInstance(
                 f"i{number}", env, python=example_python, dir=root / f"i{number}"

@@ -66,6 +66,10 @@ class Cli:
 
     async def __call__(self, *args: str) -> tuple[int, str, str]:
         self.capsys.readouterr()
+        if args == ("migrate",):
+            # Other databases of the test cluster (the template, other tests') hold ledgers:
+            # the question before a second one is tested on its own (test_cli.py).
+            args = ("migrate", "--yes")
         code = await asyncio.to_thread(cli.main, list(args))
         out = self.capsys.readouterr()
         return code, out.out, out.err
@@ -396,6 +400,39 @@ async def shape(conn: asyncpg.Connection, table: str) -> dict[str, Any]:
     }
 
 
+async def test_migrate_asks_before_a_second_ledger_on_the_same_server(
+    fresh_url: str, fresh: asyncpg.Connection, db: asyncpg.Connection, run_cli: Cli
+) -> None:
+    """A database with no cronlock objects while another database of the server has them (a
+    URL naming `postgres` beside serve's `cronlock`): `migrate` in a script changes nothing and
+    says, in one line, which database has the ledger and what to do; `--dry-run` notes it;
+    `--yes` creates the second ledger."""
+    ledger = await db.fetchval("SELECT current_database()")
+    here = await fresh.fetchval("SELECT current_database()")
+    run_cli.env(DATABASE_URL=fresh_url)
+    run_cli.capsys.readouterr()
+    code = await asyncio.to_thread(cli.main, ["migrate"])  # stdin is no terminal here
+    err = run_cli.capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1, err
+    assert f"database {here} has no cronlock schema (cronlock) but database" in err
+    assert ledger in err
+    assert f"pass --yes to create a second ledger in {here}" in err
+    assert await fresh.fetchval("SELECT to_regnamespace('cronlock')") is None
+    code, out, err = await run_cli("migrate", "--dry-run")
+    assert code == 0, err
+    assert "would apply: cronlock 0001_ledger" in out
+    assert "note: database" in err
+    assert ledger in err
+    code, out, err = await run_cli("migrate", "--yes")
+    assert code == 0, err
+    assert out.startswith("applied: create schema cronlock")
+    # Now this database has a ledger of its own: nothing to ask any more.
+    run_cli.capsys.readouterr()
+    assert await asyncio.to_thread(cli.main, ["migrate"]) == 0
+    assert run_cli.capsys.readouterr().out.strip() == "migrations are current"
+
+
 async def test_a_0_1_database_upgrades_in_place_with_nothing_lost(
     fresh_url: str,
     fresh: asyncpg.Connection,
@@ -590,7 +627,7 @@ def run_migrate_process(env: dict[str, str]) -> subprocess.CompletedProcess[str]
     full = {k: v for k, v in os.environ.items() if not k.startswith(("CRON_", "DATABASE_"))}
     full.update(env, PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-m", "cronlock", "migrate"],
+        [sys.executable, "-m", "cronlock", "migrate", "--yes"],
         env=full,
         capture_output=True,
         text=True,

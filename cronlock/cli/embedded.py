@@ -477,6 +477,15 @@ class LocalPostgres:
         pid = self.postmaster_pid()
         return pid is not None and pid_alive(pid) and self._serves_data_dir(pid)
 
+    def running_port(self) -> int | None:
+        """The port of a server already running in the data dir (started by anyone), or None:
+        how the CLI finds the server a `serve` of the same folder runs."""
+        if not self.is_running():
+            return None
+        with contextlib.suppress(OSError, PostgresError):
+            return self._running_port()
+        return None
+
     def _serves_data_dir(self, pid: int) -> bool:
         """Whether `pid`, named by postmaster.pid, is this data dir's postmaster rather than a
         process that got the pid of one that died (the postmaster works in its data dir)."""

@@ -1,4 +1,5 @@
-"""The command line: `python -m cronlock <command>`.
+"""The command line: `cronlock <command>` (the console script), or `python -m cronlock <command>`
+(`python -m app <command>` in a checkout).
 
 Exit codes scripts can rely on: 0 ran or skipped, 1 the job failed or timed out (or the
 output could not be written), 2 bad usage or configuration, 3 the database is unavailable or
@@ -18,6 +19,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -40,8 +42,8 @@ from cronlock.errors import (
 from cronlock.settings import Settings, SettingsError
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog or program_name())
     args = parser.parse_args(argv)
     handler: Command | None = getattr(args, "handler", None)
     if handler is None:
@@ -66,10 +68,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(f"{what}: {exc.strerror or type(exc).__name__}", EXIT_FAILED)
 
 
+def program_name(argv0: str | None = None) -> str:
+    """The program as the user typed it, for `--help` and usage errors: `python -m cronlock`
+    (or `python -m app`) when run as a module, else the script's name (`cronlock`)."""
+    path = Path(sys.argv[0] if argv0 is None else argv0)
+    if path.name == "__main__.py":
+        return f"python -m {path.parent.name}"
+    return path.name or "cronlock"
+
+
 def _dispatch(handler: Command, args: argparse.Namespace) -> int:
+    settings: Settings | None = None
     try:
         try:
-            result = handler(args, _settings())
+            settings = _settings()
+            if not settings.database_url and handler is not serve.cmd_serve:
+                # The embedded server a `serve` of this folder runs (never started here).
+                url = serve.running_embedded_url(settings)
+                if url is not None:
+                    settings = Settings(database_url=url)
+            result = handler(args, settings)
             if asyncio.iscoroutine(result):
                 return asyncio.run(result)
             assert isinstance(result, int)
@@ -87,6 +105,9 @@ def _dispatch(handler: Command, args: argparse.Namespace) -> int:
     except DatabaseMisconfigured as exc:
         return fail(f"invalid configuration: {exc.reason}", EXIT_USAGE)
     except DatabaseUnavailable as exc:
+        if settings is not None and not settings.database_url and handler is not serve.cmd_serve:
+            # No database was ever named: configuration, and the line says what to set.
+            return fail(serve.no_database_url(settings), EXIT_USAGE)
         return fail(f"database unavailable: {exc.reason}", EXIT_UNAVAILABLE)
     except MigrationError as exc:
         return fail(exc.reason, EXIT_UNAVAILABLE)
@@ -110,8 +131,8 @@ def _settings() -> Settings:
         raise SettingsError(f"cannot read .env: not UTF-8 (byte {exc.start + 1})") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m cronlock", description=__doc__)
+def build_parser(prog: str = "cronlock") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     sub = parser.add_subparsers(metavar="command")
     # In this order in `--help`.
     serve.add_commands(sub)

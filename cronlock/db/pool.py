@@ -132,14 +132,19 @@ def application_name(instance: str) -> str:
     return f"cronlock:{instance}"[:63]
 
 
-async def connect(settings: Settings, dsn: str | None = None) -> asyncpg.Connection:
-    """One connection outside the pool (CLI, LISTEN, migrations at start-up)."""
+async def connect(
+    settings: Settings, dsn: str | None = None, *, database: str | None = None
+) -> asyncpg.Connection:
+    """One connection outside the pool (CLI, LISTEN, migrations at start-up); `database`: to
+    that database of the same server instead of the URL's."""
     url = dsn or settings.database_url
     if not url:
         raise DatabaseUnavailable("DATABASE_URL is not set")
+    other = {} if database is None else {"database": database}
     try:
         conn = await Hosts(url).connect(
             url,
+            **other,
             statement_cache_size=settings.db_statement_cache_size,
             timeout=settings.db_connect_timeout,
             server_settings={"application_name": application_name(settings.instance_name)},
