@@ -31,7 +31,7 @@ from tests.support.faults import (
     reset,
     settle,
 )
-from tests.support.postgres import ScratchPostgres, start_standby
+from tests.support.postgres import ScratchPostgres, own_postgres, start_standby
 from tests.util import AUTH, lock_held, post, runs, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -52,12 +52,8 @@ def root() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def postgres(root: Path) -> Iterator[ScratchPostgres]:
     """A PostgreSQL of this module's own: the tests stop, restart and clone it."""
-    server = ScratchPostgres(root / "pg")
-    server.start()
-    try:
+    with own_postgres(root) as server:
         yield server
-    finally:
-        server.stop("immediate")
 
 
 @pytest.fixture(scope="module")

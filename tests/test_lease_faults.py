@@ -28,7 +28,7 @@ import pytest
 from tests.lease_jobs import LEASE, LEASE_ENV, create_effects
 from tests.support.cluster import Cluster, Instance
 from tests.support.faults import heal
-from tests.support.postgres import ScratchPostgres
+from tests.support.postgres import ScratchPostgres, own_postgres
 from tests.util import AUTH, successor, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -53,12 +53,8 @@ def root() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def postgres(root: Path) -> Iterator[ScratchPostgres]:
-    server = ScratchPostgres(root / "pg")
-    server.start()
-    try:
+    with own_postgres(root) as server:
         yield server
-    finally:
-        server.stop("immediate")
 
 
 @pytest.fixture(scope="module")

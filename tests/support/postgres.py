@@ -11,7 +11,7 @@ import contextlib
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import NoReturn, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -97,6 +97,18 @@ class ScratchPostgres(LocalPostgres):
         """Stop (fast) if running, start again on the same port."""
         self.stop()
         return self.start()
+
+
+@contextlib.contextmanager
+def own_postgres(root: Path) -> Iterator[ScratchPostgres]:
+    """A PostgreSQL of a test module's own in `root/pg`, for tests that stop, kill or freeze
+    it (or its clients) and must not disturb the session's shared one."""
+    server = ScratchPostgres(root / "pg")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop("immediate")
 
 
 def start_standby(
