@@ -31,7 +31,7 @@ from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.delivery import outbox
-from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
+from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger, RetryRefused
 from cronlock.inputs import BIGINT_MAX, text_problem, timestamp_problem
 from cronlock.ops import views as ops
 from cronlock.settings import Settings
@@ -64,6 +64,7 @@ NOTICES = {
     "cancel-sent": "Cancel sent; the run is stopping.",
     "cancel-unreached": "Cancel sent, but the run has not stopped yet (it may be between "
     "statements).",
+    "items-retried": "Retried: this attempt works the failed items again on every instance.",
     "skipped-running": "Not started: the job is already running.",
     "paused": "Paused.",
     "resumed": "Resumed.",
@@ -132,6 +133,8 @@ async def _guarded(request: Request, render: Any) -> Response:
         return problem(request, exc.status, exc.message)
     except DatabaseUnavailable as exc:
         return problem(request, 503, f"Database unavailable: {exc.reason}")
+    except RetryRefused as exc:
+        return problem(request, 404 if exc.missing else 409, f"Not retried: {exc.reason}.")
 
 
 async def form(request: Request) -> dict[str, str]:
