@@ -596,6 +596,7 @@ class FanoutRunner:
                     a.job, a.run_id, n, attempt=attempt, parent=row["traceparent"]
                 )
             )
+            span.set(instance=settings.instance_name)
             ctx = ItemContext(
                 conn=conn,
                 job=job,
