@@ -6,6 +6,7 @@ retry that cannot be made refused with its reason."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -277,3 +278,60 @@ async def test_a_retry_and_the_retry_loop_never_both_continue_one_run(
     assert (await settled(client, a, made[0]["run_id"]))["status"] == "succeeded"
     assert await effects(db) == {i: 1 for i in range(20)}
     assert len(await dones(db)) == 2
+
+
+async def test_the_cli_retries_items_for_the_instances_to_work(
+    start_app: Starter,
+    client: httpx.AsyncClient,
+    effects_table: asyncpg.Connection,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Any,
+) -> None:
+    """`python -m cronlock retry-items` records the new attempt; a serving instance's workers
+    work its items. Refusals are one line: exit 2 for a wrong argument, 1 for a state."""
+    from cronlock.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    for name, value in {
+        "DATABASE_URL": database_url,
+        "CRON_JOBS": "tests.fanout_jobs",
+        "INSTANCE_NAME": "cli",
+        "OUTBOX_ENABLED": "false",
+    }.items():
+        monkeypatch.setenv(name, value)
+    a = await start(start_app, "a")
+    db = effects_table
+    first = await failed_run(client, a, db, 10, 6)
+
+    async def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            code = await asyncio.to_thread(cli.main, ["retry-items", *args])
+        except SystemExit as exc:  # argparse's refusal of an argument: its usage, exit 2
+            code = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = await run(str(first), "--item", "99")
+    assert (code, out) == (2, "")
+    assert err == f"cronlock: not retried: run {first} has no item 99 (its items are 0 to 9)\n"
+    code, _, err = await run(str(first), "--item", "0")
+    assert code == 1
+    assert err == (
+        f"cronlock: not retried: item 0 of run {first} succeeded: only a failed one is retried\n"
+    )
+    code, _, err = await run("x")
+    assert code == 2
+    assert "Traceback" not in err
+    await fixed(db, 6)
+    code, out, _ = await run(str(first), "--json")
+    assert code == 0
+    body = json.loads(out)
+    assert body["retry_of"] == first
+    assert body["retried"] == 1
+    done = await settled(client, a, body["run_id"])
+    assert done["status"] == "succeeded"
+    assert done["source"] == "cli"
+    assert await effects(db) == {i: 1 for i in range(10)}
