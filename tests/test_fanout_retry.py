@@ -18,7 +18,7 @@ from tests.fanout_jobs import FANOUT_SETTINGS, create_effects
 from tests.support import TEST_SECRET
 from tests.support.ui import READ_TOKEN, User
 from tests.test_fanout import begin, dones, effects, settled, start, view
-from tests.util import AUTH
+from tests.util import AUTH, wait_for
 
 Starter = Callable[..., Any]
 
@@ -261,11 +261,12 @@ async def test_the_run_page_retries_one_or_all_failed_items_with_its_forms(
     ]
 
 
-async def test_a_retry_and_the_retry_loop_never_both_continue_one_run(
+async def test_concurrent_retries_of_one_run_on_two_instances_make_one_attempt(
     start_app: Starter, client: httpx.AsyncClient, effects_table: asyncpg.Connection
 ) -> None:
     """Concurrent retries of one failed run, on two instances: one is made, the others are
-    refused (its lock is busy, or the run was retried already); the items are worked once."""
+    refused (its lock is busy, the run was retried already, or its retry runs); the items are
+    worked once."""
     a = await start(start_app, "a")
     b = await start(start_app, "b")
     db = effects_table
@@ -335,3 +336,52 @@ async def test_the_cli_retries_items_for_the_instances_to_work(
     assert done["status"] == "succeeded"
     assert done["source"] == "cli"
     assert await effects(db) == {i: 1 for i in range(10)}
+
+
+@pytest.mark.parametrize("first_to_retry", ["operator", "loop"])
+async def test_an_operators_retry_and_cronlocks_retry_loop_make_one_attempt(
+    start_app: Starter,
+    client: httpx.AsyncClient,
+    effects_table: asyncpg.Connection,
+    first_to_retry: str,
+) -> None:
+    """A scheduled fan-out run that failed is retried by cronlock's retry loop (every 0.2 s,
+    0.2 s after the failure) and by an operator: whoever comes second finds it retried (or
+    its retry running), and the slot gets one more attempt, not two."""
+    from tests.test_fanout import clear_of_the_minutes_end
+
+    a = await start(start_app, "a", retry_poll_interval=0.2)
+    db = effects_table
+    await clear_of_the_minutes_end()
+    first = await begin(client, a, job="fan-slot", n=20, broken=[3, 8])
+    assert (await settled(client, a, first))["status"] == "failed"
+
+    async def loop_retried() -> bool:
+        found = await db.fetchval("SELECT id FROM cronlock.runs WHERE retry_of = $1", first)
+        return found is not None
+
+    if first_to_retry == "loop":
+        await wait_for(loop_retried, 10, "the retry loop's attempt")
+    r = await retry(client, a, first)
+    second = await db.fetchval("SELECT id FROM cronlock.runs WHERE retry_of = $1", first)
+    assert second is not None
+    if r.status_code == 409:  # the loop came first (on a loaded machine, maybe even here)
+        assert r.json()["reason"] in (
+            f"run {first} was retried already by run {second}: retry the items there",
+            f"job 'fan-slot' is running run {second} now: retry after it ends",
+        )
+    else:
+        assert first_to_retry == "operator"
+        assert r.status_code == 202, r.text
+        assert r.json()["run_id"] == second
+    assert (await settled(client, a, second))["status"] == "succeeded"
+    await asyncio.sleep(1.0)  # passes of the retry loop: nothing left to retry
+    runs = await db.fetch("SELECT id, attempt, retry_of, source FROM cronlock.runs ORDER BY id")
+    source = "retry" if r.status_code == 409 else "api"
+    assert [tuple(x) for x in runs] == [(first, 1, None, "http"), (second, 2, first, source)]
+    assert await effects(db) == {i: 1 for i in range(20)}
+    assert await effects(db, second) == {3: 1, 8: 1}
+    assert [(d["run_id"], d["done"], d["failed"]) for d in await dones(db)] == [
+        (first, 18, 2),
+        (second, 20, 0),
+    ]
