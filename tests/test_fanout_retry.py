@@ -237,6 +237,10 @@ async def test_the_run_page_retries_one_or_all_failed_items_with_its_forms(
         page = await user.http.get(f"/ui/runs/{second}")
         assert "Retry all 1 failed item<" in page.text
         assert f'continues <a href="/ui/runs/{first}">run {first}</a>' in page.text
+        # The first run's page no longer shows the items (the retry works them): it says where.
+        page = await user.http.get(f"/ui/runs/{first}")
+        assert "Failed items" not in page.text
+        assert f'retried by <a href="/ui/runs/{second}" data-retried-by>' in page.text
 
         await fixed(db, 2)
         all_ = await user.act(f"/ui/runs/{second}/items/retry")

@@ -22,7 +22,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from cronlock.core import fanout
+from cronlock.core import fanout, ledger
 from cronlock.core import pause as pause_state
 from cronlock.core import schedules as dynamic
 from cronlock.core.jobs import MAX_KEY_LENGTH, Registry
@@ -500,13 +500,25 @@ async def run_page(request: Request, run_id: str) -> Response:
                     view = await ops.run(conn, registry, found_id)
                     now = await conn.fetchval(ops.NOW_SQL)
             failed: list[Any] = []
+            retried_by = None
             if view is not None and view.items is not None and view.items.failed:
                 async with ops.reading(conn):
                     failed = await fanout.failed_items(conn, settings.db_schema, found_id)
+            elif view is not None and view.status not in ("running", "succeeded"):
+                # Where its retry went: for a fan-out run, the attempt that works its items now.
+                async with ops.reading(conn):
+                    retried_by = await ledger.retried_by(conn, settings.db_schema, found_id)
         if view is None:
             raise Refused(404, "No such run.")
         return page(
-            request, "run.html", live=True, run=view, now=now, words=words, failed_items=failed
+            request,
+            "run.html",
+            live=True,
+            run=view,
+            now=now,
+            words=words,
+            failed_items=failed,
+            retried_by=retried_by,
         )
 
     return await _guarded(request, render)
