@@ -188,6 +188,11 @@ async def test_a_retry_that_cannot_be_made_is_refused_with_its_reason(
     assert (await settled(client, a, running, within=10))["status"] == "cancelled"
     await refused(running, None, 409, f"run {running} cancelled: only a failed run's")
 
+    # Another method on the retry routes: 405, naming POST (not "unknown job").
+    for path in (f"runs/{failed}/items/retry", f"runs/{failed}/items/3/retry"):
+        r = await client.get(f"{a.url}/cron/{path}", headers=AUTH)
+        assert r.status_code == 405, r.text
+        assert r.headers["allow"] == "POST"
     # Without the secret: nothing to see; with the read token: not allowed either.
     for headers in ({}, {"Authorization": f"Bearer {READ_TOKEN}"}):
         r = await client.post(f"{a.url}/cron/runs/{failed}/items/retry", headers=headers)
