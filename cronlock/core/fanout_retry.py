@@ -13,7 +13,9 @@ in front of the workers of every instance; the transaction that settles its last
 
 Made under the job's lock, as every attempt is: `retry_of` set under it makes this retry and
 cronlock's own retry loop (which checks `ledger.retried` under the same lock) exclusive, and a
-second operator's retry of the same run finds it retried already. A failed fan-out's items are
+second operator's retry of the same run finds it retried already. The attempt's row commits
+with its taking the fan-out over, in the lock's transaction, so a retry is made whole or not
+at all. A failed fan-out's items are
 all settled, so no worker holds one; the fan-out's row is locked while it is taken over.
 
 Refused (RetryRefused, with the reason) for: a run or item that does not exist; a run that is
@@ -120,12 +122,16 @@ async def retry_items(
                         )
                     # Read again under the lock: what was true before it may not be now.
                     run = await ledger.get(conn, schema, run_id)
-                    assert run is not None  # runs are removed only by retention, of old ones
+                    if run is None:  # removed meanwhile (retention, by hand)
+                        raise RetryRefused(f"no run {run_id}", missing=True)
                     found = await _check(conn, schema, run, item)
-                    now = row["db_now"]
-                async with db.connection() as other:
+                    # In the lock's transaction, unlike a trigger's row (committed at once, so
+                    # that a long run can be followed): the attempt and its taking the fan-out
+                    # over commit together or not at all. A row left behind by a retry that
+                    # was not made would name the run as retried, and its fan-out, still the
+                    # failed run's, could then be retried from neither.
                     new_id = await ledger.start(
-                        other,
+                        conn,
                         schema,
                         job=run.job,
                         slot=run.slot,
@@ -133,7 +139,7 @@ async def retry_items(
                         source=source,
                         instance=settings.instance_name,
                         backend_pid=row["backend_pid"],
-                        started_at=now,
+                        started_at=row["db_now"],
                         params=run.params,
                         key=run.key,
                         attempt=run.attempt + 1,
@@ -174,10 +180,6 @@ async def retry_items(
             if not committed:
                 with contextlib.suppress(Exception), deadline(conn, settings.db_query_timeout):
                     await tx.rollback()
-                if new_id is not None:
-                    # Recorded, then not made: the attempt says so (the fan-out stays failed,
-                    # with the run that failed it, and can be retried again).
-                    await runner._record(new_id, "failed", "the retry could not be made")
             await db.release(conn)
             runner.lock_slots.release()
         assert new_id is not None
