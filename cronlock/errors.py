@@ -138,6 +138,17 @@ class RunCancelled(CronlockError):
     step, which persisted nothing."""
 
 
+class RetryRefused(CronlockError):
+    """A retry of a fan-out run's failed items that cannot be made (cronlock/core/fanout_retry.py),
+    with its reason in one line: `missing` when the run or item named does not exist (404; CLI
+    exit 2), else the state of the run or its job forbids it now (409; CLI exit 1)."""
+
+    def __init__(self, reason: str, *, missing: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.missing = missing
+
+
 class InvalidInput(CronlockError):
     """The database refused a value the request (or the command line) gave it: a data
     exception, SQLSTATE class 22. The client's mistake, answered as 422 (CLI: exit 2), not a

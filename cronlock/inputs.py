@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 BIGINT_MAX = 2**63 - 1
+INT_MAX = 2**31 - 1  # an `integer` column (a fan-out item's number)
 
 
 def text_problem(value: str) -> str | None:

@@ -8,9 +8,12 @@ provider when one was set (a host app's, `opentelemetry-instrument`'s, or the st
 service's own from OTEL_TRACES_EXPORTER: `sdk_from_env`); otherwise, or with TRACING=off,
 it is `OFF`, whose methods hand back one shared no-op context manager.
 
-Spans below a run (lease steps, fan-out items) need no Tracing object: `step_span` and
-`item_span` nest under the run that is current in the calling task (a ContextVar the run's span
-sets; asyncio copies it into the tasks a run starts), and do nothing outside a traced run.
+Lease steps' spans need no Tracing object: `step_span` nests under the run that is current in
+the calling task (a ContextVar the run's span sets; asyncio copies it into the tasks a run
+starts), and does nothing outside a traced run. A fan-out's items run on any instance, long
+after the run's span (its planning) ended there: `Tracing.item` makes each item's span a
+child of the run's span through the context stored with the fan-out (`traceparent()` at
+planning), as an email's send links to the run that queued it.
 
 Export never happens on the caller's path: the SDK's BatchSpanProcessor only queues a finished
 span (and drops it when its queue is full); its worker thread talks to the exporter.
@@ -160,6 +163,20 @@ class Tracing:
         attributes["trigger"] = trigger
         return _span(self.tracer, f"run {job}", attributes, run=True)
 
+    def item(
+        self, job: str, run_id: int, n: int, *, attempt: int, parent: str | None
+    ) -> AbstractContextManager[Span]:
+        """A fan-out item's span, current while the item runs (its own spans nest under it,
+        the emails it queues link to it): a child of `parent`, the span of the attempt working
+        the fan-out (a W3C traceparent stored with it, from whichever instance planned or
+        retried it); the root of a trace of its own when that attempt was not traced."""
+        if self.tracer is None:
+            return _NO_SPAN_CM
+        attributes = {"job": job, "run_id": run_id, "item": n, "attempt": attempt}
+        return _span(
+            self.tracer, f"item {job}", attributes, parent=parent, root=parent is None, run=True
+        )
+
     def send(
         self, what: str, queued_by: Sequence[str | None], **attributes: object
     ) -> AbstractContextManager[Span]:
@@ -195,18 +212,10 @@ def step_span(job: str, run_id: int, step: int) -> AbstractContextManager[Span]:
     return _span(run.tracer, f"step {job}", {"job": job, "run_id": run_id, "step": step})
 
 
-def item_span(job: str, run_id: int, item: object) -> AbstractContextManager[Span]:
-    """A fan-out item's span, under the current traced run; no-op outside one. `item` is the
-    item's identity (its key or number), recorded as `cronlock.item`."""
-    run = _CURRENT_RUN.get()
-    if run is None:
-        return _NO_SPAN_CM
-    return _span(run.tracer, f"item {job}", {"job": job, "run_id": run_id, "item": item})
-
-
 def traceparent() -> str | None:
-    """The current traced run's span as a W3C `traceparent`, to store with what the run queues
-    (an email) and link to later; None outside a traced run."""
+    """The current traced run's span (or fan-out item's) as a W3C `traceparent`, to store
+    with what the run queues (an email, a fan-out's items) and link to later; None outside a
+    traced run."""
     run = _CURRENT_RUN.get()
     if run is None:
         return None
@@ -249,12 +258,13 @@ def _span(
     links: Sequence[str | None] = (),
     root: bool = False,
     run: bool = False,
+    parent: str | None = None,
 ) -> Iterator[Span]:
     from opentelemetry import context, trace
 
     with tracer.start_as_current_span(
         name,
-        context=context.Context() if root else None,
+        context=_stored(parent) if parent else context.Context() if root else None,
         kind=trace.SpanKind[kind],
         attributes={PREFIX + k: _value(v) for k, v in attributes.items() if v is not None},
         links=_links(links),
@@ -265,6 +275,14 @@ def _span(
         finally:
             if token is not None:
                 _CURRENT_RUN.reset(token)
+
+
+def _stored(value: str) -> Any:
+    """The context of a stored `traceparent`: its span as a remote parent (a malformed value
+    gives an empty context, so the span starts a trace of its own)."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract({"traceparent": value})
 
 
 def _links(traceparents: Sequence[str | None]) -> list[Any]:

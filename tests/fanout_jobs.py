@@ -37,6 +37,8 @@ CREATE TABLE IF NOT EXISTS fanout_effects (
     instance text        NOT NULL,
     at       timestamptz NOT NULL DEFAULT clock_timestamp()
 );
+-- Items that fail while listed here (`fixable`): a bug an operator fixes, then retries them.
+CREATE TABLE IF NOT EXISTS fanout_broken (item integer PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS fanout_done (
     run_id   bigint      NOT NULL,
     job      text        NOT NULL,
@@ -61,6 +63,8 @@ class Items(BaseModel):
     fail_times: int = 2
     # Items that always fail.
     broken: list[int] = []
+    # Items that fail while listed in `fanout_broken`.
+    fixable: bool = False
     # What `done` does: "ok", or "raise".
     done: str = "ok"
 
@@ -92,6 +96,10 @@ async def fan_item(ctx: ItemContext) -> int:
         await asyncio.sleep(p.pause)
     if ctx.item in p.broken:
         raise RuntimeError(f"item {ctx.item} always fails")
+    if p.fixable and await ctx.conn.fetchval(
+        "SELECT EXISTS (SELECT 1 FROM fanout_broken WHERE item = $1)", ctx.item
+    ):
+        raise RuntimeError(f"item {ctx.item} is broken")
     if ctx.item in p.flaky and ctx.attempt <= p.fail_times:
         raise RuntimeError(f"item {ctx.item} fails attempt {ctx.attempt}")
     return int(ctx.item)

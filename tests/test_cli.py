@@ -439,7 +439,7 @@ async def test_run_and_catch_up_never_migrate(
     with MIGRATE_ON_START left on (the service's setting)."""
     monkeypatch.setenv("DATABASE_URL", fresh_url)
     monkeypatch.setenv("MIGRATE_ON_START", "true")
-    for args in (["run", "fast"], ["catch-up"], ["jobs"]):
+    for args in (["run", "fast"], ["catch-up"], ["jobs"], ["retry-items", "1"]):
         result = await run_cli(capsys, *args)
         assert result.code == 3, (args, result.err)
         assert "migrations not applied" in result.err, (args, result.err)

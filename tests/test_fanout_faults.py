@@ -1,8 +1,9 @@
 """Fan-out runs under fire, with real processes through PgBouncer in transaction mode: three
 uvicorn instances work one run's items while one is killed (-9) mid-run and another frozen
 (SIGSTOP) past its items' timeout, then woken. Every item's effect exactly once, `done` once,
-the run's counts matching the effects; and two triggers of one slot on two instances make one
-run with one set of items.
+the run's counts matching the effects; two triggers of one slot on two instances make one
+run with one set of items; and a retry of a failed run's items is worked again by the
+instances, each item once.
 
 The issue's proof is 20,000 items; here it is scaled to what runs in well under a minute on
 two cores (FANOUT_PROOF_ITEMS sets it; bench/fanout.py runs the full size)."""
@@ -183,3 +184,40 @@ async def test_two_triggers_for_one_slot_on_two_instances_make_one_run(
     assert await db.fetchval("SELECT count(*) FROM cronlock.fanout_items") == 500
     assert await db.fetchval("SELECT count(DISTINCT item) FROM fanout_effects") == 500
     assert await done_items(db) == 500
+
+
+async def test_a_retry_of_a_failed_runs_items_is_worked_by_the_instances_each_item_once(
+    cluster: Cluster, db: asyncpg.Connection, client: httpx.AsyncClient
+) -> None:
+    """Real processes: a run fails with 60 of its 600 items broken; once fixed, a retry of
+    all its failed items (asked of another instance) is worked again by the instances'
+    workers, woken by the retry's commit: the 540 items that succeeded are never redone,
+    every item's effect is there once, and `done` ran once per settling."""
+    a, _, c = cluster.instances
+    broken = list(range(0, 600, 10))
+    await db.execute("TRUNCATE fanout_broken")
+    await db.executemany("INSERT INTO fanout_broken (item) VALUES ($1)", [(i,) for i in broken])
+    r = await client.post(
+        f"{a.url}/cron/fan-proof", headers=AUTH, json={"n": 600, "pause": 0.01, "fixable": True}
+    )
+    assert r.status_code == 202, r.text
+    first = r.json()["run_id"]
+    assert await settled(db, first, 60) == "failed"
+    assert await done_items(db) == 540
+
+    await db.execute("TRUNCATE fanout_broken")
+    again = await client.post(f"{c.url}/cron/runs/{first}/items/retry", headers=AUTH)
+    assert again.status_code == 202, again.text
+    assert again.json()["retried"] == 60
+    second = again.json()["run_id"]
+    assert await settled(db, second, 60) == "succeeded"
+
+    effects = await db.fetch("SELECT item, count(*) AS n FROM fanout_effects GROUP BY item")
+    assert {r["item"]: r["n"] for r in effects} == {i: 1 for i in range(600)}
+    retried = await db.fetch(
+        "SELECT item, instance FROM fanout_effects WHERE run_id = $1 ORDER BY item", second
+    )
+    assert [r["item"] for r in retried] == broken
+    assert len({r["instance"] for r in retried}) >= 2  # more than one instance worked them
+    dones = await db.fetch("SELECT run_id, total, done, failed FROM fanout_done ORDER BY run_id")
+    assert [tuple(d) for d in dones] == [(first, 600, 540, 60), (second, 600, 600, 0)]

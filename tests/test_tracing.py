@@ -216,6 +216,77 @@ async def test_a_lease_run_has_a_span_per_step_under_its_run(
     assert sorted(parent_of(q) or 0 for q in queries) == sorted(span_id(s) for s in steps)
 
 
+async def test_fanout_items_are_spans_under_their_runs_span_on_the_instance_that_works_them(
+    start: Start,
+    client: httpx.AsyncClient,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+    db: asyncpg.Connection,
+) -> None:
+    """The run's span covers the planning; its context, stored with the fan-out, is the
+    parent of each item's span on both instances; a retry's items go under the retry's run."""
+    fast = {"fanout_poll_interval": 0.2, "fanout_concurrency": 2}
+    a = await start("a", provider, **fast)
+    await start("b", provider, **fast)
+    trace_jobs.FAILING = {2}
+    r = await client.post(
+        f"{a.url}/cron/traced-fanout", headers={**AUTH, "traceparent": TRACEPARENT}
+    )
+    assert r.status_code == 202, r.text
+    first = r.json()["run_id"]
+
+    async def items(n: int = 3) -> bool:
+        return len(named(exporter.get_finished_spans(), "item traced-fanout")) >= n
+
+    await wait_for(items, 20, "the items' spans")
+    spans = exporter.get_finished_spans()
+    trigger, run = one(spans, "trigger traced-fanout"), one(spans, "run traced-fanout")
+    assert parent_of(run) == span_id(trigger)
+    assert attrs(run)["cronlock.run_id"] == first
+    assert attrs(run)["cronlock.outcome"] == "accepted"
+    stored = await db.fetchval("SELECT traceparent FROM cronlock.fanouts WHERE run_id = $1", first)
+    assert run.context is not None
+    assert stored == f"00-{run.context.trace_id:032x}-{run.context.span_id:016x}-01"
+    found = sorted(named(spans, "item traced-fanout"), key=lambda s: attrs(s)["cronlock.item"])
+    assert [attrs(s)["cronlock.item"] for s in found] == [0, 1, 2]
+    for item in found:
+        assert item.parent is not None
+        assert item.parent.is_remote  # from the stored context
+        assert parent_of(item) == span_id(run)
+        assert item.context is not None
+        assert item.context.trace_id == int(TRACE_ID, 16)
+        assert attrs(item)["cronlock.run_id"] == first
+        assert attrs(item)["cronlock.attempt"] == 1
+        assert attrs(item)["cronlock.instance"] in ("a", "b")
+    # The item's own statements nest under its span.
+    queries = named(spans, "SELECT")
+    assert sorted(parent_of(q) or 0 for q in queries) == sorted(span_id(s) for s in found)
+    assert [attrs(s)["cronlock.outcome"] for s in found] == ["succeeded", "succeeded", "failed"]
+    assert [s.status.status_code for s in found] == [StatusCode.UNSET] * 2 + [StatusCode.ERROR]
+    assert found[2].status.description == "RuntimeError: item 2 fails"
+
+    # Retried: the new attempt has a run span of its own, its item's parent.
+    exporter.clear()
+    trace_jobs.FAILING = set()
+
+    async def failed() -> bool:
+        status = await db.fetchval("SELECT status FROM cronlock.runs WHERE id = $1", first)
+        return bool(status == "failed")
+
+    await wait_for(failed, 20, "the run to fail")
+    again = await client.post(f"{a.url}/cron/runs/{first}/items/retry", headers=AUTH)
+    assert again.status_code == 202, again.text
+    await wait_for(lambda: items(1), 20, "the retried item's span")
+    spans = exporter.get_finished_spans()
+    retry, item = one(spans, "run traced-fanout"), one(spans, "item traced-fanout")
+    assert attrs(retry)["cronlock.run_id"] == again.json()["run_id"]
+    assert attrs(retry)["cronlock.attempt"] == 2
+    assert attrs(retry)["cronlock.retry_of"] == first
+    assert parent_of(item) == span_id(retry)
+    assert attrs(item)["cronlock.item"] == 2
+    assert attrs(item)["cronlock.outcome"] == "succeeded"
+
+
 async def test_an_emails_send_is_a_client_span_linked_to_the_run_that_queued_it(
     start: Start,
     client: httpx.AsyncClient,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cronlock.core.fanout import ItemContext
 from cronlock.core.jobs import JobContext, job
 from cronlock.delivery import outbox
 
@@ -58,3 +59,20 @@ async def traced_mail(ctx: JobContext) -> int:
         sender="cron@example.com",
     )
     return 1
+
+
+# Items of `traced-fanout` that fail (a test empties it before retrying them).
+FAILING: set[int] = {2}
+
+
+@job("traced-fanout", fanout=True)
+async def traced_fanout(ctx: JobContext) -> list[int]:
+    return [0, 1, 2]
+
+
+@traced_fanout.each(timeout=10, retries=0)
+async def traced_item(ctx: ItemContext) -> int:
+    await query(ctx, ctx.conn)
+    if ctx.item in FAILING:
+        raise RuntimeError(f"item {ctx.item} fails")
+    return int(ctx.item)

@@ -145,5 +145,6 @@ def build_parser(prog: str = "cronlock") -> argparse.ArgumentParser:
     schedule.add_commands(sub)
     run.add_catch_up(sub)
     control.add_pause(sub)
+    run.add_retry_items(sub)
     schedules.add_schedules_commands(sub)
     return parser

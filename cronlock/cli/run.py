@@ -1,5 +1,6 @@
-"""`run` a job now and `catch-up` missed slots, in this process: through a Runner on a pool of
-its own, the same lock, slot and ledger path as the service's."""
+"""`run` a job now, `catch-up` missed slots and `retry-items` of a failed fan-out run, in this
+process: through a Runner on a pool of its own, the same lock, slot and ledger path as the
+service's (a retry's items are then worked by the instances serving the job)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,21 @@ from cronlock.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
+    ID,
     PARAMS,
     fail,
     job_name,
     load_registry,
     translated,
 )
-from cronlock.core import catchup
+from cronlock.core import catchup, fanout_retry
 from cronlock.core.jobs import Registry
 from cronlock.core.outcome import answer
 from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
-from cronlock.errors import DatabaseUnavailable, InvalidTrigger, JobDefinitionError
+from cronlock.errors import DatabaseUnavailable, InvalidTrigger, JobDefinitionError, RetryRefused
+from cronlock.inputs import INT_MAX
 from cronlock.settings import Settings, SettingsError
 
 
@@ -39,6 +42,20 @@ def add_run(sub: Any) -> None:
     run.add_argument("--params", type=PARAMS, default=None, help="the job's params as JSON")
     run.add_argument("--json", action="store_true", help="print JSON")
     run.set_defaults(handler=cmd_run)
+
+
+def add_retry_items(sub: Any) -> None:
+    retry = sub.add_parser(
+        "retry-items",
+        help="retry a failed fan-out run's failed items (all, or --item N) in a new attempt "
+        "that the instances serving the job work; succeeded items are never redone",
+    )
+    retry.add_argument("run_id", type=ID, help="the failed fan-out run")
+    retry.add_argument(
+        "--item", type=inputs.int_range(0, INT_MAX), help="only this item (its number, from 0)"
+    )
+    retry.add_argument("--json", action="store_true", help="print JSON (as the HTTP route)")
+    retry.set_defaults(handler=cmd_retry_items)
 
 
 def add_catch_up(sub: Any) -> None:
@@ -78,6 +95,37 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     else:
         print(" ".join(f"{k}={v}" for k, v in body.items()))
     return EXIT_OK if outcome.kind in ("succeeded", "skipped") else EXIT_FAILED
+
+
+async def cmd_retry_items(args: argparse.Namespace, settings: Settings) -> int:
+    registry = load_registry(settings)
+    try:
+        async with _runner(settings, registry) as runner:
+            done = await fanout_retry.retry_items(
+                runner.fanouts, args.run_id, args.item, source="cli"
+            )
+    except RetryRefused as exc:
+        # A run or item that does not exist is a wrong argument; a state that forbids it now,
+        # a refusal (the HTTP route's 404 and 409).
+        return fail(f"not retried: {exc.reason}", EXIT_USAGE if exc.missing else EXIT_FAILED)
+    body = {
+        "job": done.job,
+        "run_id": done.run_id,
+        "retry_of": done.retry_of,
+        "attempt": done.attempt,
+        "slot": done.slot.isoformat() if done.slot else None,
+        **({"key": done.key} if done.key is not None else {}),
+        "retried": done.retried,
+        "items": done.total,
+    }
+    if args.json:
+        print(json.dumps(body))
+    else:
+        print(
+            f"{done.job}: run {done.run_id} (attempt {done.attempt}) retries {done.retried} "
+            f"failed item(s) of run {done.retry_of}; the instances serving the job work them"
+        )
+    return EXIT_OK
 
 
 @contextlib.asynccontextmanager

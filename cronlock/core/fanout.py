@@ -101,8 +101,8 @@ ORDER BY f.id DESC LIMIT 1
 """
 
 CREATE_SQL = """
-INSERT INTO {schema}.fanouts (run_id, job, key, slot, total, shards, shards_left)
-VALUES ($1, $2, $3, $4, $5, $6, $6)
+INSERT INTO {schema}.fanouts (run_id, job, key, slot, total, shards, shards_left, traceparent)
+VALUES ($1, $2, $3, $4, $5, $6, $6, $7)
 RETURNING id
 """
 
@@ -111,26 +111,34 @@ INSERT INTO {schema}.fanout_shards (fanout_id, shard, remaining)
 SELECT $1, s, c FROM unnest($2::int[], $3::int[]) AS t (s, c)
 """
 
-# A later attempt takes the fan-out over: its failed items are pending again, from attempt 1.
+# A later attempt takes the fan-out over (with its span's context, the items' spans' parent):
+# its failed items are pending again, from attempt 1; all of them, or only those an operator
+# picked (`$2`, cronlock/core/fanout_retry.py), the others staying failed.
 CONTINUE_SQL = """
-UPDATE {schema}.fanouts SET run_id = $2, state = 'running', settled_at = NULL
+UPDATE {schema}.fanouts SET run_id = $2, state = 'running', settled_at = NULL, traceparent = $3
 WHERE id = $1 AND state <> 'running'
 RETURNING total, shards
 """
 RESET_FAILED_SQL = """
-UPDATE {schema}.fanout_items
-SET status = 'pending', attempts = 0, not_before = NULL, error = NULL
-WHERE fanout_id = $1 AND status = 'failed'
+WITH reset AS (
+    UPDATE {schema}.fanout_items
+    SET status = 'pending', attempts = 0, not_before = NULL, error = NULL
+    WHERE fanout_id = $1 AND status = 'failed' AND ($2::int[] IS NULL OR n = ANY($2::int[]))
+    RETURNING n
+)
+SELECT count(*)::int FROM reset
 """
+# Items left failed count as failed (settled): only the pending ones keep a shard open.
 RECOUNT_SQL = """
 WITH c AS (
     SELECT n % $2 AS shard,
            count(*) FILTER (WHERE status = 'pending') AS remaining,
-           count(*) FILTER (WHERE status = 'succeeded') AS done
+           count(*) FILTER (WHERE status = 'succeeded') AS done,
+           count(*) FILTER (WHERE status = 'failed') AS failed
     FROM {schema}.fanout_items WHERE fanout_id = $1 GROUP BY 1
 ), s AS (
     UPDATE {schema}.fanout_shards s
-    SET remaining = c.remaining, done = c.done, failed = 0
+    SET remaining = c.remaining, done = c.done, failed = c.failed
     FROM c WHERE s.fanout_id = $1 AND s.shard = c.shard
     RETURNING s.remaining
 )
@@ -187,13 +195,22 @@ async def create(
     key: str | None,
     slot: datetime | None,
     items: Sequence[str],
+    traceparent: str | None = None,
 ) -> int:
     """Write a fan-out, its counters and its items (`items`: each one's JSON text) in the
-    caller's transaction, in three statements whatever their number."""
+    caller's transaction, in three statements whatever their number. `traceparent`: the
+    planning run's span, its items' spans' parent."""
     sizes = shard_sizes(len(items))
     fanout_id = int(
         await conn.fetchval(
-            qualify(CREATE_SQL, schema), run_id, job, key, slot, len(items), len(sizes)
+            qualify(CREATE_SQL, schema),
+            run_id,
+            job,
+            key,
+            slot,
+            len(items),
+            len(sizes),
+            traceparent,
         )
     )
     if sizes:
@@ -215,13 +232,30 @@ async def _chunks(fanout_id: int, items: Sequence[str], size: int = 5000) -> Any
         )
 
 
-async def resume(conn: Conn, schema: str, fanout_id: int, run_id: int) -> tuple[int, int]:
-    """Give the fan-out to the attempt `run_id`: (its total, the shards still unsettled)."""
-    row = await conn.fetchrow(qualify(CONTINUE_SQL, schema), fanout_id, run_id)
+@dataclass(frozen=True)
+class Resumed:
+    total: int
+    left: int  # shards with items still unsettled
+    retried: int  # failed items made pending again
+
+
+async def resume(
+    conn: Conn,
+    schema: str,
+    fanout_id: int,
+    run_id: int,
+    *,
+    items: Sequence[int] | None = None,
+    traceparent: str | None = None,
+) -> Resumed:
+    """Give the fan-out to the attempt `run_id` (traced as `traceparent`), its failed items
+    pending again: all of them, or those numbered in `items`."""
+    row = await conn.fetchrow(qualify(CONTINUE_SQL, schema), fanout_id, run_id, traceparent)
     assert row is not None, "a fan-out is continued only when it is not running"
-    await conn.execute(qualify(RESET_FAILED_SQL, schema), fanout_id)
+    which = list(items) if items is not None else None
+    retried = await conn.fetchval(qualify(RESET_FAILED_SQL, schema), fanout_id, which)
     left = await conn.fetchval(qualify(RECOUNT_SQL, schema), fanout_id, row["shards"] or 1)
-    return int(row["total"]), int(left or 0)
+    return Resumed(int(row["total"]), int(left or 0), int(retried or 0))
 
 
 async def notify(conn: Conn, schema: str, fanout_id: int) -> None:
@@ -234,7 +268,7 @@ async def notify(conn: Conn, schema: str, fanout_id: int) -> None:
 ACTIVE_SQL = """
 SELECT f.id, f.run_id, f.job, f.key, f.slot, f.shards, r.params, r.trigger, r.started_at,
        r.cancel_requested_at IS NOT NULL AS cancel_requested,
-       coalesce(r.cancel_requested_by, 'an operator') AS cancelled_by
+       coalesce(r.cancel_requested_by, 'an operator') AS cancelled_by, f.traceparent
 FROM {schema}.fanouts f JOIN {schema}.runs r ON r.id = f.run_id
 WHERE f.state = 'running' AND f.job = ANY($1::text[])
 ORDER BY f.id
@@ -243,9 +277,10 @@ ORDER BY f.id
 # One pending item, locked; the transaction's timeouts set in the same round trip (the select
 # list is evaluated before the row lock is tried; setting them twice is harmless). A fan-out
 # that was cancelled or settled meanwhile gives no item; `run_id` is the attempt working the
-# fan-out now (a retry may have taken it over since the worker last looked).
+# fan-out now (a retry may have taken it over since the worker last looked), `traceparent`
+# its span's.
 _CLAIM_SQL = """
-SELECT i.n, i.item, i.attempts, f.run_id, {timeouts}
+SELECT i.n, i.item, i.attempts, f.run_id, f.traceparent, {timeouts}
 FROM {{schema}}.fanout_items i
 JOIN {{schema}}.fanouts f ON f.id = i.fanout_id
 JOIN {{schema}}.runs r ON r.id = f.run_id
@@ -331,6 +366,8 @@ class Active:
     started_at: datetime
     cancel_requested: bool
     cancelled_by: str
+    # The span of the attempt working it (a W3C traceparent), when that attempt was traced.
+    traceparent: str | None = None
 
 
 async def active(conn: Conn, schema: str, jobs: list[str]) -> list[Active]:
@@ -396,6 +433,34 @@ async def retry_later(
     conn: Conn, schema: str, fanout_id: int, n: int, error: str, instance: str, delay: float
 ) -> None:
     await conn.execute(qualify(RETRY_LATER_SQL, schema), fanout_id, n, error, instance, delay)
+
+
+# --- retrying failed items (cronlock/core/fanout_retry.py) -------------------------------
+
+# The fan-out a run works, locked (against another retry; every item is settled once it ended).
+# No row: the run planned none, or a later attempt works it now (`run_id` moved on).
+OF_RUN_SQL = """
+SELECT id, state, total FROM {schema}.fanouts WHERE run_id = $1 FOR UPDATE
+"""
+ITEM_STATUS_SQL = "SELECT status FROM {schema}.fanout_items WHERE fanout_id = $1 AND n = $2"
+
+
+@dataclass(frozen=True)
+class OfRun:
+    id: int
+    state: str
+    total: int
+
+
+async def of_run(conn: Conn, schema: str, run_id: int) -> OfRun | None:
+    row = await conn.fetchrow(qualify(OF_RUN_SQL, schema), run_id)
+    return OfRun(row["id"], row["state"], row["total"]) if row is not None else None
+
+
+async def item_status(conn: Conn, schema: str, fanout_id: int, n: int) -> str | None:
+    """Item `n`'s status (pending, succeeded, failed); None when the fan-out has no such item."""
+    found: str | None = await conn.fetchval(qualify(ITEM_STATUS_SQL, schema), fanout_id, n)
+    return found
 
 
 # --- what operators see --------------------------------------------------------------------

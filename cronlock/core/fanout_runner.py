@@ -36,7 +36,7 @@ from cronlock.core import fanout, ledger, pause
 from cronlock.core.fanout import Active, DoneContext, ItemContext
 from cronlock.core.jobs import Job, JobContext, Trigger
 from cronlock.core.lease_runner import RunnerParts
-from cronlock.core.outcome import Outcome
+from cronlock.core.outcome import Outcome, annotate
 from cronlock.db import pool as db
 from cronlock.db.lock import lock_text, reset_session, try_lock
 from cronlock.db.pool import Conn, deadline, terminate
@@ -48,6 +48,7 @@ from cronlock.errors import (
     describe,
     translate,
 )
+from cronlock.tracing import NO_SPAN, Span, traceparent
 
 
 class FanoutHost(RunnerParts, Protocol):
@@ -124,6 +125,41 @@ class FanoutRunner:
         retry_of: ledger.Run | None = None,
         first_attempt: bool = False,
     ) -> Outcome:
+        # The run's span (when traced) covers its planning: opened once the run is recorded,
+        # a child of the trigger's; its context is stored with the fan-out, the parent of
+        # every item's span on whichever instance works it (cronlock/tracing.py).
+        with contextlib.ExitStack() as spans:
+            traced: list[Span] = []
+            outcome = await self._start(
+                job,
+                key,
+                trigger,
+                backfill,
+                params,
+                source,
+                retry_of=retry_of,
+                first_attempt=first_attempt,
+                spans=spans,
+                traced=traced,
+            )
+            for span in traced:
+                annotate(span, outcome)
+            return outcome
+
+    async def _start(
+        self,
+        job: Job,
+        key: str | None,
+        trigger: Trigger,
+        backfill: Any,
+        params: Any,
+        source: str,
+        *,
+        retry_of: ledger.Run | None,
+        first_attempt: bool,
+        spans: contextlib.ExitStack,
+        traced: list[Span],
+    ) -> Outcome:
         runner, settings, schema = self.runner, self.settings, self.schema
         await self.db.ensure_ready()
         try:
@@ -198,6 +234,14 @@ class FanoutRunner:
                     )
             except DRIVER_ERRORS as exc:
                 raise translate(exc, input_from=("body",)) from exc
+            traced.append(
+                spans.enter_context(
+                    runner.tracing.run(
+                        job.name, run_id, attempt=attempt, slot=slot, key=key, trigger=trigger
+                    )
+                )
+            )
+            parent = traceparent()
             ctx = JobContext(
                 conn=conn,
                 job=job,
@@ -215,8 +259,10 @@ class FanoutRunner:
             try:
                 if prev is not None:
                     with deadline(conn, settings.db_query_timeout):
-                        total, left = await fanout.resume(conn, schema, prev.id, run_id)
-                    fanout_id = prev.id
+                        resumed = await fanout.resume(
+                            conn, schema, prev.id, run_id, traceparent=parent
+                        )
+                    total, left, fanout_id = resumed.total, resumed.left, prev.id
                 else:
                     items = await asyncio.wait_for(self._plan(job, ctx), job.timeout)
                     with deadline(conn, max(settings.db_query_timeout, job.timeout)):
@@ -228,6 +274,7 @@ class FanoutRunner:
                             key=key,
                             slot=slot,
                             items=items,
+                            traceparent=parent,
                         )
                     total, left = len(items), min(fanout.SHARDS, len(items))
                 with deadline(conn, settings.db_query_timeout):
@@ -518,6 +565,10 @@ class FanoutRunner:
         tx = conn.transaction(isolation="read_committed")
         settled = False
         task: asyncio.Task[Any] | None = None
+        # The item's span, once it is claimed: current while the item function runs (the
+        # task copies it) and until its outcome is counted.
+        spans = contextlib.ExitStack()
+        span = NO_SPAN
         try:
             try:
                 with deadline(conn, settings.db_query_timeout):
@@ -537,9 +588,15 @@ class FanoutRunner:
             with deadline(conn, settings.db_query_timeout):
                 await conn.execute(SAVEPOINT_ITEM_SQL)
             if row["run_id"] != a.run_id:  # continued by a later attempt since the last look
-                a = dataclasses.replace(a, run_id=row["run_id"])
+                a = dataclasses.replace(a, run_id=row["run_id"], traceparent=row["traceparent"])
                 self.refreshed = 0.0
             n, attempt = row["n"], row["attempts"] + 1
+            span = spans.enter_context(
+                self.runner.tracing.item(
+                    a.job, a.run_id, n, attempt=attempt, parent=row["traceparent"]
+                )
+            )
+            span.set(instance=settings.instance_name)
             ctx = ItemContext(
                 conn=conn,
                 job=job,
@@ -584,7 +641,7 @@ class FanoutRunner:
                         )
                 if error is None:
                     settled = await self._commit(conn, tx, job, a, n, result)
-                    self._observe(job, "succeeded" if settled else "lost", began)
+                    self._observe(job, "succeeded" if settled else "lost", began, span)
                     return True
             finally:
                 self.in_flight[a.id] -= 1
@@ -603,14 +660,14 @@ class FanoutRunner:
                         )
                         await tx.commit()
                     settled = True
-                    self._observe(job, outcome, began)
+                    self._observe(job, outcome, began, span, message)
                     return True
                 except DATABASE_ERRORS:
                     terminate(conn)
             # Its connection is gone (a timeout closed it): count it in a transaction of its own.
             settled = True
             outcome = await self._attempt_failed(job, a, n, message)
-            self._observe(job, outcome, began)
+            self._observe(job, outcome, began, span, message)
             return True
         except asyncio.CancelledError:
             terminate(conn)
@@ -625,6 +682,7 @@ class FanoutRunner:
                 except Exception:
                     terminate(conn)
             await self.db.release(conn)
+            spans.close()
 
     @staticmethod
     async def _call(func: Any, ctx: ItemContext) -> Any:
@@ -759,7 +817,15 @@ class FanoutRunner:
             await self._shard_done(conn, job, a)
         return "failed"
 
-    def _observe(self, job: Job, outcome: str, began: float) -> None:
+    def _observe(
+        self, job: Job, outcome: str, began: float, span: Span, error: str | None = None
+    ) -> None:
+        """Count an item's attempt (`outcome`: succeeded, retried, failed, lost) in the
+        metrics and on its span (an error unless it succeeded)."""
+        if span.recording:
+            span.set(outcome=outcome, duration_ms=round((time.monotonic() - began) * 1000, 3))
+            if outcome != "succeeded":
+                span.fail(error or outcome)
         metrics = self.runner.metrics
         if metrics is not None:
             metrics.observe_item(job.name, outcome, time.monotonic() - began)

@@ -416,6 +416,15 @@ async def retried(conn: Conn | asyncpg.Pool, schema: str, run_id: int) -> bool:
     return bool(await conn.fetchval(qualify(RETRIED_SQL, schema), run_id))
 
 
+RETRIED_BY_SQL = "SELECT min(id) FROM {schema}.runs WHERE retry_of = $1"
+
+
+async def retried_by(conn: Conn | asyncpg.Pool, schema: str, run_id: int) -> int | None:
+    """The attempt that retried `run_id`, if one did."""
+    found = await conn.fetchval(qualify(RETRIED_BY_SQL, schema), run_id)
+    return int(found) if found is not None else None
+
+
 # The newest attempt of each recent (job, key, slot) that did not succeed and was not retried
 # yet, and whose slot has no success at all (a scheduler's own retry may have made one).
 LAST_FAILED_ATTEMPTS_SQL = f"""

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
-from cronlock.errors import DatabaseUnavailable, InvalidInput
+from cronlock.errors import DatabaseUnavailable, InvalidInput, RetryRefused
 from cronlock.web.auth import UNAUTHORIZED, Access, Tokens, bearer_token
 from cronlock.web.deps import error
 
@@ -77,6 +77,11 @@ def answer_error(request: Request, exc: Exception) -> Response:
         return invalid_input(exc)
     if isinstance(exc, DatabaseUnavailable):
         return error(503, "database unavailable", reason=exc.reason)
+    if isinstance(exc, RetryRefused):
+        # No such run or item: 404; the run's or job's state forbids the retry now: 409.
+        if exc.missing:
+            return error(404, "not found", reason=exc.reason)
+        return error(409, "retry refused", reason=exc.reason)
     if isinstance(exc, RequestValidationError):
         return validation_error(exc)
     if isinstance(exc, StarletteHTTPException):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -241,11 +242,17 @@ def is_read_route(name: str) -> bool:
     return run_id != name and run_id.isascii() and run_id.isdigit()
 
 
+# The operator's write routes (cronlock/web/control.py), POST only.
+WRITE_ROUTE = re.compile(r"^(jobs/[^/]+/(pause|resume)|runs/[0-9]+/items(/[0-9]+)?/retry)$")
+
+
 def not_a_job(name: str, registry: Registry, settings: Settings) -> Response:
-    """The answer under the prefix where no route is: an unknown job (404), or a known job or
-    read route asked with the wrong method (405)."""
+    """The answer under the prefix where no route is: an unknown job (404), or a known job,
+    read or write route asked with the wrong method (405)."""
     if name in registry:
         return method_not_allowed(", ".join(trigger_methods(settings)))
+    if WRITE_ROUTE.match(name):
+        return method_not_allowed("POST")
     if is_read_route(name):
         # /cron/jobs, /cron/runs... exist: another method on them is not an unknown job.
         return method_not_allowed("GET, HEAD")

@@ -1,6 +1,8 @@
 """The operator's write routes: pause and resume a job (`POST /cron/jobs/{name}/pause`,
-`/resume`), with the cron secret (a POST under /cron/ needs it, cronlock/web/auth.py). Routes only:
-the state and its SQL are cronlock/core/pause.py's; the CLI's `pause` / `resume` do the same
+`/resume`), retry a failed fan-out run's failed items (`POST /cron/runs/{id}/items/retry`, one
+item: `/items/{n}/retry`), with the cron secret (a POST under /cron/ needs it,
+cronlock/web/auth.py). Routes only: the state and its SQL are cronlock/core/pause.py's and
+cronlock/core/fanout_retry.py's; the CLI's `pause`, `resume` and `retry-items` do the same
 directly.
 """
 
@@ -14,9 +16,12 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from cronlock.core import pause
+from cronlock.core.fanout_retry import Retried, retry_items
 from cronlock.core.jobs import NAME_PATTERN
+from cronlock.core.runner import Runner
 from cronlock.errors import DRIVER_ERRORS, InvalidTrigger, translate
-from cronlock.inputs import check_text, check_timestamp
+from cronlock.inputs import BIGINT_MAX, INT_MAX, check_text, check_timestamp
+from cronlock.web import routes
 from cronlock.web.answers import CronRoute
 from cronlock.web.deps import (
     DatabaseDep,
@@ -125,3 +130,78 @@ async def resume_job(
     except DRIVER_ERRORS as exc:
         raise translate(exc) from exc
     return PauseAnswer(job=name, paused=None, was_paused=was)
+
+
+class ItemsRetried(BaseModel):
+    """A retry of a fan-out run's failed items, made: the new attempt `run_id` continues the
+    run `retry_of` with `retried` items pending again (of `items`); follow it at
+    `GET /cron/runs/{run_id}`."""
+
+    job: str
+    run_id: int
+    retry_of: int
+    attempt: int
+    slot: AwareDatetime | None
+    key: str | None = None
+    retried: int
+    items: int
+
+
+RunId = Annotated[int, Path(ge=1, le=BIGINT_MAX, description="a fan-out run's id")]
+ItemNumber = Annotated[int, Path(ge=0, le=INT_MAX, description="an item's number, from 0")]
+RETRY_RESPONSES: dict[int | str, dict[str, Any]] = {
+    202: {
+        "description": "retried: a new attempt works the items",
+        "links": {"GetRun": routes.RUN_LINK},
+    },
+    404: {"description": "no such run, or no such item of it"},
+    409: {
+        "description": "refused, with the reason: not a fan-out run, still running, not "
+        "failed, retried already, the item did not fail, the job paused or running"
+    },
+    422: {"description": "bad run id or item number"},
+    503: {"description": "database unavailable (Retry-After)"},
+}
+
+
+def _retried(done: Retried) -> JSONResponse:
+    body = ItemsRetried(
+        job=done.job,
+        run_id=done.run_id,
+        retry_of=done.retry_of,
+        attempt=done.attempt,
+        slot=done.slot,
+        key=done.key,
+        retried=done.retried,
+        items=done.total,
+    )
+    # A key-less job's answer has no "key" member, as its trigger's has none.
+    dumped = body.model_dump(mode="json", exclude={"key"} if done.key is None else set())
+    return JSONResponse(dumped, status_code=202)
+
+
+@router.post(
+    "/runs/{run_id}/items/retry",
+    status_code=202,
+    response_model=ItemsRetried,
+    responses=RETRY_RESPONSES,
+)
+async def retry_failed_items(run_id: RunId, request: Request) -> Any:
+    """Retry every failed item of a failed fan-out run, in a new attempt of the run that
+    continues its fan-out on every instance: the items that succeeded are never redone, and
+    `done` runs once more when the last item settles (docs/long-jobs.md)."""
+    runner: Runner = request.state.runner
+    return _retried(await retry_items(runner.fanouts, run_id, source="api"))
+
+
+@router.post(
+    "/runs/{run_id}/items/{n}/retry",
+    status_code=202,
+    response_model=ItemsRetried,
+    responses=RETRY_RESPONSES,
+)
+async def retry_failed_item(run_id: RunId, n: ItemNumber, request: Request) -> Any:
+    """Retry one failed item of a failed fan-out run, in a new attempt of the run (the other
+    failed items stay failed, and fail it again unless retried too)."""
+    runner: Runner = request.state.runner
+    return _retried(await retry_items(runner.fanouts, run_id, n, source="api"))

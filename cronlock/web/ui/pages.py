@@ -22,7 +22,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from cronlock.core import fanout
+from cronlock.core import fanout, ledger
 from cronlock.core import pause as pause_state
 from cronlock.core import schedules as dynamic
 from cronlock.core.jobs import MAX_KEY_LENGTH, Registry
@@ -31,7 +31,7 @@ from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.delivery import outbox
-from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger
+from cronlock.errors import DatabaseUnavailable, InvalidInput, InvalidTrigger, RetryRefused
 from cronlock.inputs import BIGINT_MAX, text_problem, timestamp_problem
 from cronlock.ops import views as ops
 from cronlock.settings import Settings
@@ -64,6 +64,7 @@ NOTICES = {
     "cancel-sent": "Cancel sent; the run is stopping.",
     "cancel-unreached": "Cancel sent, but the run has not stopped yet (it may be between "
     "statements).",
+    "items-retried": "Retried: this attempt works the failed items again on every instance.",
     "skipped-running": "Not started: the job is already running.",
     "paused": "Paused.",
     "resumed": "Resumed.",
@@ -132,6 +133,8 @@ async def _guarded(request: Request, render: Any) -> Response:
         return problem(request, exc.status, exc.message)
     except DatabaseUnavailable as exc:
         return problem(request, 503, f"Database unavailable: {exc.reason}")
+    except RetryRefused as exc:
+        return problem(request, 404 if exc.missing else 409, f"Not retried: {exc.reason}.")
 
 
 async def form(request: Request) -> dict[str, str]:
@@ -497,13 +500,25 @@ async def run_page(request: Request, run_id: str) -> Response:
                     view = await ops.run(conn, registry, found_id)
                     now = await conn.fetchval(ops.NOW_SQL)
             failed: list[Any] = []
+            retried_by = None
             if view is not None and view.items is not None and view.items.failed:
                 async with ops.reading(conn):
                     failed = await fanout.failed_items(conn, settings.db_schema, found_id)
+            elif view is not None and view.status not in ("running", "succeeded"):
+                # Where its retry went: for a fan-out run, the attempt that works its items now.
+                async with ops.reading(conn):
+                    retried_by = await ledger.retried_by(conn, settings.db_schema, found_id)
         if view is None:
             raise Refused(404, "No such run.")
         return page(
-            request, "run.html", live=True, run=view, now=now, words=words, failed_items=failed
+            request,
+            "run.html",
+            live=True,
+            run=view,
+            now=now,
+            words=words,
+            failed_items=failed,
+            retried_by=retried_by,
         )
 
     return await _guarded(request, render)
