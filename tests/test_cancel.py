@@ -53,6 +53,18 @@ async def test_a_frozen_holder_gets_the_fallback(
     i1 = start_instance("i1")
     pending = asyncio.create_task(post(client, i1.url + "/cron/slow", json={"seconds": 8}))
     await wait_for(lambda: lock_held(db, "slow"), 10, "slow to take its lock")
+    key = job_key("slow")
+
+    async def in_its_sleep() -> bool:  # past its bookkeeping: no statement of it running
+        state = await db.fetchval(
+            "SELECT a.state FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.classid = $1 AND l.objid = $2",
+            key.classid,
+            key.objid,
+        )
+        return bool(state == "idle in transaction")
+
+    await wait_for(in_its_sleep, 10, "slow to wait with its transaction open")
     i1.freeze()
     try:
         monkeypatch.setenv("CANCEL_GRACE", "1")
