@@ -569,7 +569,8 @@ def test_timeline_marks_runs_and_missed_slots() -> None:
     # Every hour ran but three; one of those failed (a run, not a gap).
     runs = [_run(i, s, s) for i, s in enumerate(slots) if i not in (3, 4, 5)]
     runs.append(_run(99, slots[5], slots[5], "failed"))
-    line = timeline.build(job, runs, now, days=1)
+    long_ago = now - timedelta(days=30)  # deployed a month ago
+    line = timeline.build(job, runs, now, days=1, seen=long_ago)
     assert len(line.marks) == 22
     assert sum(1 for m in line.marks if m.status == "failed") == 1
     assert line.missed == 2
@@ -582,11 +583,21 @@ def test_timeline_marks_runs_and_missed_slots() -> None:
     # Only the newest runs fetched (the page's query is capped): the slots older than the
     # oldest of them are not known to be missed.
     newest = [r for r in runs if r.started_at > slots[6]]  # back to slot 5's failed run
-    partial = timeline.build(job, newest, now, days=1, complete=False)
+    partial = timeline.build(job, newest, now, days=1, seen=long_ago, complete=False)
     assert partial.missed == 2  # slots 3 and 4, after the oldest run given
-    assert timeline.build(job, newest, now, days=1).missed == 20  # as if the rest were
+    assert (
+        timeline.build(job, newest, now, days=1, seen=long_ago).missed == 20
+    )  # as if the rest were
+    # History starts when the database first saw the job: first seen at 08:10, the 09:00 slot
+    # is missed but not the 08:00 one (nor any older); never seen, nothing is missed.
+    since_8 = timeline.build(job, newest, now, days=1, seen=now.replace(hour=8, minute=10))
+    assert [t.title for t in since_8.slots if t.missed] == ["slot 2026-12-03 09:00: missed"]
+    assert since_8.missed == 1
+    assert timeline.build(job, [], now, days=1, seen=now - timedelta(minutes=1)).missed == 0
+    assert timeline.build(job, [], now, days=1, seen=None).missed == 0
+    assert timeline.build(job, [], now, days=1, seen=long_ago).missed == 24
     every_minute = Job(name="m", func=lambda ctx: None, schedule=Schedule.parse("* * * * *"))  # type: ignore[arg-type, return-value]
-    assert not timeline.build(every_minute, [], now, days=1).slots_drawn
+    assert not timeline.build(every_minute, [], now, days=1, seen=long_ago).slots_drawn
 
 
 @pytest.mark.parametrize(

@@ -21,12 +21,12 @@ from cronlock.cli.common import (
     load_registry,
     translated,
 )
-from cronlock.core import catchup
+from cronlock.core import catchup, ledger
 from cronlock.core.jobs import Registry
 from cronlock.core.outcome import answer
 from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
-from cronlock.db.pool import Database
+from cronlock.db.pool import Conn, Database
 from cronlock.errors import DatabaseUnavailable, InvalidTrigger, JobDefinitionError
 from cronlock.settings import Settings, SettingsError
 
@@ -85,7 +85,13 @@ async def _runner(settings: Settings, registry: Registry) -> AsyncIterator[Runne
     """A Runner on a pool of its own, for `run` and `catch-up`, on a database ready for jobs
     only: migrations are `migrate`'s (MIGRATE_ON_START is the service's), as for `jobs`."""
     settings = settings.model_copy(update={"migrate_on_start": False})
-    db = Database(settings)
+    names = list(registry)
+
+    async def see_jobs(conn: Conn) -> None:
+        # The jobs run from here are declared here: their history starts now at the latest.
+        await ledger.see_jobs(conn, settings.db_schema, names)
+
+    db = Database(settings, on_ready=see_jobs)
     try:
         with translated():
             await db.open()

@@ -296,7 +296,14 @@ async def job_page(request: Request, name: str) -> Response:
                         conn, name, prefix=prefix, after=after, limit=SCHEDULES_PAGE + 1
                     )
         [row] = view.jobs
-        line = timeline.build(job, recent.runs, view.now, days, complete=recent.next is None)
+        line = timeline.build(
+            job,
+            recent.runs,
+            view.now,
+            days,
+            seen=row.first_seen,
+            complete=recent.next is None,
+        )
         filters = {"status": status or "", "key": key or "", "days": str(days)}
         next_query = urlencode({**filters, "before": table.next}) if table.next else None
         return page(
