@@ -35,7 +35,7 @@ from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
 from tests.support.ui import csrf_of
-from tests.util import AUTH, effects, lock_held, post, runs, wait_for
+from tests.util import AUTH, effects, lock_held, post, runs, seen_since, wait_for
 
 Starter = Callable[..., Any]
 REPO = Path(__file__).resolve().parent.parent
@@ -736,6 +736,12 @@ async def test_catch_up_runs_a_missed_slot_once(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("CRON_JOBS", "tests.jobs,tests.catchup_jobs")
+    # A fresh database: the jobs' history starts now (catch-up records them as seen), so
+    # nothing before it was missed.
+    fresh = await run_cli(capsys, "catch-up")
+    assert (fresh.code, fresh.out.strip()) == (0, "nothing to catch up")
+    assert await db.fetchval("SELECT count(*) FROM cronlock.jobs_seen WHERE job = 'yearly'") == 1
+    await seen_since(db, "catch-up-daily", "yearly")  # an old deployment's
     first = await run_cli(capsys, "catch-up", "--json")
     assert first.code == 0, first.err
     [caught] = first.json()["caught_up"]
