@@ -558,4 +558,4 @@ async def test_logs_name_the_trigger_source_and_never_a_secret(
         assert e["instance"] == "chatty"
         assert e["run_id"] > 0
         assert e["duration_ms"] >= 0
-        assert e["trigger"] == "scheduled"
+        assert e["trigger"] == "manual"  # fast and fails have no schedule

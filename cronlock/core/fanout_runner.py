@@ -121,9 +121,12 @@ class FanoutRunner:
         params: Any,
         source: str,
         *,
+        forced: bool = False,
         retry_of: ledger.Run | None = None,
         first_attempt: bool = False,
     ) -> Outcome:
+        """Decide under the (job, key)'s lock and plan the run; `forced`: an operator's
+        `force=true` (the pause does not stop it)."""
         runner, settings, schema = self.runner, self.settings, self.schema
         await self.db.ensure_ready()
         try:
@@ -164,7 +167,14 @@ class FanoutRunner:
                     if retry_of is not None and await ledger.retried(conn, schema, retry_of.id):
                         return runner.skip(job, "already retried", backfill, trigger, source, key)
                     skip, slot = await runner.decide_slot(
-                        conn, job, key, trigger, backfill, now, first_attempt=first_attempt
+                        conn,
+                        job,
+                        key,
+                        trigger,
+                        backfill,
+                        now,
+                        forced=forced,
+                        first_attempt=first_attempt,
                     )
                     if skip is not None:
                         return runner.skip(job, skip, slot, trigger, source, key)
