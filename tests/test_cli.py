@@ -154,6 +154,7 @@ async def test_tables_for_people(
         await post(client, i.url + "/cron/fast")
     pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 30}))
     await wait_for(lambda: lock_held(db, "slow-sql"), 10, "slow-sql to take its lock")
+    await seen_since(db, "yearly")  # deployed over a year ago: January's slot was its to miss
 
     jobs = await run_cli(capsys, "jobs")
     assert jobs.code == 0
@@ -238,6 +239,35 @@ async def test_commands_give_up_on_a_statement_that_never_answers(
     for args in commands:  # the same commands, unblocked: nothing was left behind
         result = await run_cli(capsys, *args)
         assert result.code == 0, (args, result.err)
+
+
+# Every command that names a job, with a name this deployment does not declare.
+UNKNOWN_JOB: list[list[str]] = [
+    ["run", "nope"],
+    ["runs", "--job", "nope"],
+    ["runs", "--job", "nope", "--json"],
+    ["cancel", "nope"],
+    ["pause", "nope"],
+    ["resume", "nope"],
+    ["schedules", "set", "nope", "1", "--every", "60"],
+    ["schedules", "rm", "nope", "1"],
+    ["schedules", "show", "nope", "1"],
+    ["schedules", "pause", "nope", "1"],
+    ["schedules", "resume", "nope", "1"],
+    ["schedules", "ls", "nope"],
+]
+
+
+@pytest.mark.parametrize("args", UNKNOWN_JOB, ids=" ".join)
+async def test_an_unknown_job_is_one_line_and_exit_2_for_every_command(
+    cli_env: dict[str, str], capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """One rule: no empty table, no other wording; the line names the jobs there are."""
+    result = await run_cli(capsys, *args)
+    assert (result.code, result.out) == (2, "")
+    [line] = result.err.splitlines()
+    assert line.startswith("cronlock: unknown job 'nope'; known: "), line
+    assert "fast" in line
 
 
 @pytest.mark.slow
@@ -506,7 +536,9 @@ async def test_trigger_exit_codes(
     timed_out = await run_cli(capsys, "trigger", "times-out", "--url", i.url)
     assert timed_out.code == 1
     assert "HTTP 504" in timed_out.out
-    assert (await run_cli(capsys, "trigger", "no-such-job", "--url", i.url)).code == 2
+    unknown = await run_cli(capsys, "trigger", "no-such-job", "--url", i.url)
+    assert (unknown.code, unknown.out) == (2, "")
+    assert unknown.err == f"cronlock: unknown job 'no-such-job' at {i.url}\n"
     bad_slot = await run_cli(capsys, "trigger", "yearly", "--url", i.url, "--slot", "yesterday")
     assert bad_slot.code == 2
     monkeypatch.setenv("CRON_SECRET", "w" * 40)

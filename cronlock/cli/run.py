@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +17,7 @@ from cronlock.cli.common import (
     PARAMS,
     fail,
     job_name,
+    known_job,
     load_registry,
     translated,
 )
@@ -51,9 +51,7 @@ def add_catch_up(sub: Any) -> None:
 
 async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     registry = load_registry(settings)
-    if args.job not in registry:
-        print(f"cronlock: unknown job {args.job!r}; known: {', '.join(registry)}", file=sys.stderr)
-        return EXIT_USAGE
+    known_job(registry, args.job)
     try:
         registry.check_leases(settings.db_query_timeout, settings.lease_margin)
     except JobDefinitionError as exc:
