@@ -6,6 +6,7 @@ Timestamps come from the database clock: `now()` inside the lock transaction,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -211,7 +212,7 @@ async def get(conn: Conn | asyncpg.Pool, schema: str, run_id: int) -> Run | None
 LIST_SQL = f"""
 SELECT {COLUMNS} FROM {{schema}}.runs
 WHERE ($1::text IS NULL OR job = $1)
-  AND ($2::text IS NULL OR status = $2)
+  AND ($2::text[] IS NULL OR status = ANY($2::text[]))
   AND ($3::bigint IS NULL OR id < $3)
   AND ($5::text IS NULL OR key = $5)
 ORDER BY id DESC
@@ -228,10 +229,12 @@ async def list_runs(
     before: int | None = None,
     limit: int = 50,
     key: str | None = None,
+    statuses: Sequence[str] | None = None,
 ) -> list[Run]:
     """Newest first; `before` is the cursor (a run id) for the next page; `key` keeps one
-    key's runs (of keyed jobs)."""
-    rows = await conn.fetch(qualify(LIST_SQL, schema), job, status, before, limit, key)
+    key's runs (of keyed jobs); `statuses`: any of these (the dashboard's failures)."""
+    wanted = [status] if status is not None else list(statuses) if statuses else None
+    rows = await conn.fetch(qualify(LIST_SQL, schema), job, wanted, before, limit, key)
     return [Run.from_record(r) for r in rows]
 
 

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal, get_args
@@ -449,11 +449,19 @@ async def runs(
     limit: int = 50,
     key: str | None = None,
     held: list[LockView] | None = None,
+    statuses: Sequence[str] | None = None,
 ) -> RunsPage:
     """Newest first; one row more than asked tells whether there is a next page. `held` is
-    `locks()` if the caller has read it already."""
+    `locks()` if the caller has read it already; `statuses`: runs in any of these."""
     found = await ledger.list_runs(
-        conn, registry.schema, job=job, status=status, before=before, limit=limit + 1, key=key
+        conn,
+        registry.schema,
+        job=job,
+        status=status,
+        before=before,
+        limit=limit + 1,
+        key=key,
+        statuses=statuses,
     )
     page, more = found[:limit], len(found) > limit
     holders = _holders(held if held is not None else await locks(conn, registry), registry)
