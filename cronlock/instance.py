@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Unpack, overload
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from cronlock.core import catchup, retries, scheduler
+from cronlock.core import catchup, ledger, retries, scheduler
 from cronlock.core.jobs import (
     Job,
     JobFunc,
@@ -52,7 +52,7 @@ from cronlock.db.engine import check_engine
 from cronlock.db.helper import JobLock
 from cronlock.db.helper import job_lock as take_job_lock
 from cronlock.db.orm import require_sqlalchemy
-from cronlock.db.pool import Database
+from cronlock.db.pool import Conn, Database
 from cronlock.delivery import alerts, sender
 from cronlock.errors import JobDefinitionError, install_one_line_errors
 from cronlock.settings import Settings, SettingsError
@@ -323,7 +323,13 @@ class Cronlock:
                 "give each its own DB_SCHEMA (Settings(db_schema=...))"
             )
         registry = self.jobs
-        db = Database(s, engine=self.engine)
+        names = list(registry)
+
+        async def see_jobs(conn: Conn) -> None:
+            # Each job's history starts when the database first sees it (core/due.py).
+            await ledger.see_jobs(conn, s.db_schema, names)
+
+        db = Database(s, engine=self.engine, on_ready=see_jobs)
         await db.open()
         runner = Runner(
             s,

@@ -10,18 +10,21 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 import asyncpg
 import pytest
 
-from cronlock.delivery.alerts import sign, verify, webhook_key
-from cronlock.settings import SettingsError
+from cronlock.core.jobs import load
+from cronlock.db.pool import connect
+from cronlock.delivery.alerts import raise_events, sign, verify, webhook_key
+from cronlock.settings import Settings, SettingsError
 from tests.lease_jobs import LEASE_SETTINGS, create_effects
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
 from tests.support.receiver import Receiver
-from tests.util import post, wait_for
+from tests.util import post, seen_since, wait_for
 
 SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
 
@@ -257,3 +260,34 @@ async def test_timed_out_and_lease_lost_are_raised_once_each(
     for r in receiver.requests():
         if r.path == "/hook":
             assert verify(SECRET, r.headers, r.body), r.headers
+
+
+async def test_overdue_is_raised_only_for_slots_after_the_job_was_first_seen(
+    make_settings: Callable[..., Settings], db: asyncpg.Connection
+) -> None:
+    """A job never seen, or seen after its due slot (a fresh install), raises no `overdue`;
+    the same job first seen long ago does, once for that slot."""
+    settings = make_settings(
+        cron_jobs="tests.own_jobs",
+        alert_webhook_url="http://127.0.0.1:9/hook",
+        alert_webhook_secret=SECRET,
+    )
+    registry = load(settings.job_modules)
+    conn = await connect(settings)  # with the pool's codecs: the alert's body is jsonb
+
+    async def overdue() -> list[str]:
+        now: datetime = await conn.fetchval("SELECT now()")
+        await raise_events(conn, registry, settings, now)
+        rows = await db.fetch("SELECT msg_id FROM cronlock.alerts WHERE event = 'overdue'")
+        return sorted(r["msg_id"] for r in rows if ":hourly-late:" in r["msg_id"])
+
+    try:
+        assert await overdue() == []  # never seen
+        await db.execute("INSERT INTO cronlock.jobs_seen (job) VALUES ('hourly-late')")
+        assert await overdue() == []  # seen now: its due slot was before
+        await seen_since(db, "hourly-late")
+        [raised] = await overdue()
+        assert raised.startswith("overdue:hourly-late:")
+        assert await overdue() == [raised]  # once per slot
+    finally:
+        await conn.close()

@@ -38,7 +38,7 @@ from tests.support import TEST_SECRET
 from tests.support.asgi import StartApp
 from tests.support.cluster import Instance
 from tests.support.ui import csrf_of
-from tests.util import AUTH, effects, lock_held, post, runs, wait_for
+from tests.util import AUTH, effects, lock_held, post, runs, seen_since, wait_for
 
 Starter = Callable[..., Any]
 REPO = Path(__file__).resolve().parent.parent
@@ -157,6 +157,7 @@ async def test_tables_for_people(
         await post(client, i.url + "/cron/fast")
     pending = asyncio.create_task(post(client, i.url + "/cron/slow-sql", json={"seconds": 30}))
     await wait_for(lambda: lock_held(db, "slow-sql"), 10, "slow-sql to take its lock")
+    await seen_since(db, "yearly")  # deployed over a year ago: January's slot was its to miss
 
     jobs = await run_cli(capsys, "jobs")
     assert jobs.code == 0
@@ -241,6 +242,35 @@ async def test_commands_give_up_on_a_statement_that_never_answers(
     for args in commands:  # the same commands, unblocked: nothing was left behind
         result = await run_cli(capsys, *args)
         assert result.code == 0, (args, result.err)
+
+
+# Every command that names a job, with a name this deployment does not declare.
+UNKNOWN_JOB: list[list[str]] = [
+    ["run", "nope"],
+    ["runs", "--job", "nope"],
+    ["runs", "--job", "nope", "--json"],
+    ["cancel", "nope"],
+    ["pause", "nope"],
+    ["resume", "nope"],
+    ["schedules", "set", "nope", "1", "--every", "60"],
+    ["schedules", "rm", "nope", "1"],
+    ["schedules", "show", "nope", "1"],
+    ["schedules", "pause", "nope", "1"],
+    ["schedules", "resume", "nope", "1"],
+    ["schedules", "ls", "nope"],
+]
+
+
+@pytest.mark.parametrize("args", UNKNOWN_JOB, ids=" ".join)
+async def test_an_unknown_job_is_one_line_and_exit_2_for_every_command(
+    cli_env: dict[str, str], capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """One rule: no empty table, no other wording; the line names the jobs there are."""
+    result = await run_cli(capsys, *args)
+    assert (result.code, result.out) == (2, "")
+    [line] = result.err.splitlines()
+    assert line.startswith("cronlock: unknown job 'nope'; known: "), line
+    assert "fast" in line
 
 
 @pytest.mark.slow
@@ -509,7 +539,9 @@ async def test_trigger_exit_codes(
     timed_out = await run_cli(capsys, "trigger", "times-out", "--url", i.url)
     assert timed_out.code == 1
     assert "HTTP 504" in timed_out.out
-    assert (await run_cli(capsys, "trigger", "no-such-job", "--url", i.url)).code == 2
+    unknown = await run_cli(capsys, "trigger", "no-such-job", "--url", i.url)
+    assert (unknown.code, unknown.out) == (2, "")
+    assert unknown.err == f"cronlock: unknown job 'no-such-job' at {i.url}\n"
     bad_slot = await run_cli(capsys, "trigger", "yearly", "--url", i.url, "--slot", "yesterday")
     assert bad_slot.code == 2
     monkeypatch.setenv("CRON_SECRET", "w" * 40)
@@ -739,6 +771,12 @@ async def test_catch_up_runs_a_missed_slot_once(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("CRON_JOBS", "tests.jobs,tests.catchup_jobs")
+    # A fresh database: the jobs' history starts now (catch-up records them as seen), so
+    # nothing before it was missed.
+    fresh = await run_cli(capsys, "catch-up")
+    assert (fresh.code, fresh.out.strip()) == (0, "nothing to catch up")
+    assert await db.fetchval("SELECT count(*) FROM cronlock.jobs_seen WHERE job = 'yearly'") == 1
+    await seen_since(db, "catch-up-daily", "yearly")  # an old deployment's
     first = await run_cli(capsys, "catch-up", "--json")
     assert first.code == 0, first.err
     [caught] = first.json()["caught_up"]

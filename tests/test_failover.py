@@ -29,7 +29,7 @@ from tests.support.delivery import API_KEY, until
 from tests.support.metrics import METRICS_TOKEN, scrape, value
 from tests.support.postgres import ScratchPostgres, children_of, create_database, start_standby
 from tests.support.provider import Provider
-from tests.util import AUTH
+from tests.util import AUTH, seen_since
 
 DBNAME = "failover"
 
@@ -258,6 +258,11 @@ async def test_asynchronous_failover_loses_an_answered_run_and_its_emails_keep_t
     (the digest's due slot always exists: today's 07:00, or yesterday's while today's is
     within its grace); the last success's series goes with the lost run."""
     old = await new_primary(root / f"lossy-{time.monotonic_ns()}")
+    conn = await asyncpg.connect(old.dsn(DBNAME))
+    try:
+        await seen_since(conn, "daily-digest")  # deployed long ago: its due slot counts
+    finally:
+        await conn.close()
     new = start_standby(old, root / f"lossy-standby-{time.monotonic_ns()}")
     try:
         url = multi_host(old, new)

@@ -17,7 +17,8 @@ from cronlock.core.runner import Runner
 from cronlock.db.pool import Database
 from cronlock.settings import Settings
 from tests.support.asgi import StartApp
-from tests.util import effects, post, runs, wait_for
+from tests.support.metrics import METRICS_TOKEN, scrape, value
+from tests.util import AUTH, effects, post, runs, seen_since, wait_for
 
 Starter = Callable[..., Any]
 HOUSEKEEPING = {"CRON_JOBS": "tests.jobs,cronlock.housekeeping", "LEDGER_RETENTION_DAYS": "30"}
@@ -56,7 +57,9 @@ async def test_ledger_prune_keeps_the_retention_and_closes_abandoned_rows(
     young_ok = await seed(db, "fast", "succeeded", 10 * days)
     young_running = await seed(db, "slow-sql", "running", timedelta(minutes=5))
 
-    # ledger-prune catches up its missed night as soon as the instance sees the database.
+    # ledger-prune, deployed long ago, catches up its missed night as soon as the instance
+    # sees the database.
+    await seen_since(db, "ledger-prune")
     i = await start_app("keeper", cron_jobs=HOUSEKEEPING["CRON_JOBS"], ledger_retention_days=30)
 
     async def pruned() -> bool:
@@ -88,10 +91,34 @@ async def test_ledger_prune_keeps_the_retention_and_closes_abandoned_rows(
     assert forced["processed"] == {"pruned": 0, "abandoned": 0, "retention_days": 30.0}
 
 
+async def test_a_fresh_install_has_missed_nothing(
+    start_app: StartApp, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """A fresh install's ledger-prune (and any new job) starts its history when an instance
+    first sees the database: last night's slot is neither overdue nor caught up."""
+    i = await start_app(
+        "fresh",
+        cron_jobs=HOUSEKEEPING["CRON_JOBS"],
+        catch_up_interval=0.2,
+        metrics_token=METRICS_TOKEN,
+    )
+    await asyncio.sleep(1.0)  # a few catch-up passes
+    assert await runs(db, "ledger-prune") == []
+    view = (await client.get(i.url + "/cron/jobs", headers=AUTH)).json()
+    prune = next(j for j in view["jobs"] if j["name"] == "ledger-prune")
+    assert prune["first_seen"] is not None
+    assert prune["due_slot"] < prune["first_seen"]
+    assert prune["overdue"] is False
+    m = await scrape(client, i.url)
+    assert value(m, "cronlock_job_overdue", job="ledger-prune") == 0
+    assert value(m, "cronlock_job_overdue", job="yearly") == 0
+
+
 async def test_a_missed_slot_is_caught_up_once_across_instances(
     start_instances: Callable[..., list[Any]], db: asyncpg.Connection
 ) -> None:
     env = {"CRON_JOBS": "tests.jobs,tests.catchup_jobs", "CATCH_UP_INTERVAL": "0.5"}
+    await seen_since(db, "catch-up-daily", "yearly")  # an old deployment's jobs
     instances = start_instances(["c0", "c1", "c2"], env)
 
     async def caught_up() -> bool:
@@ -126,6 +153,7 @@ async def test_an_attempted_slot_is_not_caught_up(
     job = registry["catch-up-daily"]
     now: datetime = await db.fetchval("SELECT now()")
     due = due_slot(job, now)
+    await seen_since(db, "catch-up-daily")  # deployed before the slot: it could be missed
     await db.execute(
         """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
            VALUES ('catch-up-daily', $1, 'failed', 'scheduled', 'earlier')""",
@@ -149,8 +177,18 @@ def test_missed_slot_rules() -> None:
     window = 7 * 86400.0
     # Within the grace (60 s) the day before is what is due; it succeeded.
     yesterday = midnight - timedelta(days=1)
-    assert catchup.missed_slot(job, midnight + timedelta(seconds=30), yesterday, window) is None
-    assert catchup.missed_slot(job, midnight + timedelta(seconds=61), yesterday, window) == midnight
-    assert catchup.missed_slot(job, midnight + timedelta(hours=5), midnight, window) is None
+    seen = midnight - timedelta(days=30)  # deployed a month ago
+    at = midnight + timedelta(seconds=30)
+    assert catchup.missed_slot(job, at, yesterday, seen, window) is None
+    at = midnight + timedelta(seconds=61)
+    assert catchup.missed_slot(job, at, yesterday, seen, window) == midnight
+    at = midnight + timedelta(hours=5)
+    assert catchup.missed_slot(job, at, midnight, seen, window) is None
     # Too old to backfill: left for a person.
-    assert catchup.missed_slot(job, midnight + timedelta(hours=5), None, 3600.0) is None
+    assert catchup.missed_slot(job, at, None, seen, 3600.0) is None
+    # Never run: missed, once deployed before the slot; not when first seen after it (a job
+    # deployed at 00:30 missed nothing at midnight), nor when never seen at all.
+    assert catchup.missed_slot(job, at, None, seen, window) == midnight
+    assert catchup.missed_slot(job, at, None, midnight, window) == midnight
+    assert catchup.missed_slot(job, at, None, midnight + timedelta(minutes=30), window) is None
+    assert catchup.missed_slot(job, at, None, None, window) is None

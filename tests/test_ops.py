@@ -21,7 +21,7 @@ from cronlock.ops import views as ops
 from tests.support import TEST_SECRET
 from tests.support.asgi import InProcess, StartApp
 from tests.support.metrics import METRICS_TOKEN, SCRAPE
-from tests.util import AUTH, job_key, lock_held, post, runs, wait_for
+from tests.util import AUTH, job_key, lock_held, post, runs, seen_since, wait_for
 
 Starter = Callable[..., Any]
 
@@ -382,6 +382,17 @@ async def test_overdue_across_a_slot_boundary_by_the_database_clock(
         found = next(j for j in view.jobs if j.name == job.name)
         return found.overdue
 
+    # Never seen by this database (no instance declaring it has started): no history to be
+    # late in. First seen just after `tick`: `tick` was before its time, not missed.
+    assert not await overdue(tick + grace + second)
+    await db.execute(
+        "INSERT INTO cronlock.jobs_seen (job, first_seen_at) VALUES ($1, $2)",
+        job.name,
+        tick + second,
+    )
+    assert not await overdue(tick + grace + second)
+    assert await overdue(tick + hour + grace + second)  # the next tick was its to miss
+    await seen_since(db, job.name)  # as if deployed long ago
     assert await overdue(tick + second)  # never succeeded at all
     await seed_run(db, job.name, slot=tick - hour)
     assert not await overdue(tick + grace - second)  # within the grace of `tick`
@@ -441,6 +452,18 @@ async def test_overdue_in_the_api_follows_the_ledger(
         view = await get_json(client, instance.url + "/cron/jobs")
         return {j["name"]: j["overdue"] for j in view["jobs"]}
 
+    # A fresh install: its jobs' history starts now, no slot before it is overdue (minutely's
+    # may be by now: the instance may have started a minute ago).
+    fresh = await overdue()
+    assert not fresh["hourly-grace"]
+    assert not fresh["yearly"]
+    view = await get_json(client, instance.url + "/cron/jobs")
+    seen = {j["name"]: j["first_seen"] for j in view["jobs"]}
+    started = datetime.fromisoformat(seen["yearly"])
+    assert now - timedelta(minutes=1) < started <= now  # by the database's clock, at start-up
+    assert set(seen.values()) == {seen["yearly"]}  # recorded together, once
+    # An old deployment's jobs (first seen long ago) that never succeeded are overdue.
+    await seen_since(db, "hourly-grace", "yearly", "minutely")
     before = await overdue()
     assert before["hourly-grace"]
     assert before["yearly"]
@@ -535,4 +558,4 @@ async def test_logs_name_the_trigger_source_and_never_a_secret(
         assert e["instance"] == "chatty"
         assert e["run_id"] > 0
         assert e["duration_ms"] >= 0
-        assert e["trigger"] == "scheduled"
+        assert e["trigger"] == "manual"  # fast and fails have no schedule

@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.asgi import StartApp
 from tests.test_cli import cli_env, run_cli  # noqa: F401 - cli_env is a fixture
-from tests.util import AUTH, effects, post
+from tests.util import AUTH, effects, own_runner, post
 
 
 async def test_pause_skips_triggers_everywhere_force_runs_resume_restores(
@@ -183,3 +183,39 @@ async def test_cli_pause_and_resume(
     result = await run_cli(capsys, "resume", "yearly")
     assert result.out.strip() == "yearly: was not paused"
     assert await db.fetchval("SELECT count(*) FROM cronlock.pauses") == 0
+
+
+async def test_an_on_demand_run_is_manual_and_still_paused(
+    start_app: StartApp,
+    client: Any,
+    db: asyncpg.Connection,
+    make_settings: Any,
+) -> None:
+    """A curl (POST /cron/<job>) of a job without a schedule is recorded `manual`, a
+    scheduled job's stays `scheduled`; the label exempts nothing from a pause: only
+    `force=true` runs a paused job, in the probe and under the lock alike."""
+    a = await start_app("a")
+    r = await post(client, a.url + "/cron/fast")
+    assert r.status_code == 200, r.text
+    await post(client, a.url + "/cron/yearly")
+    triggers = await db.fetch("SELECT job, trigger, source FROM cronlock.runs ORDER BY id")
+    assert [tuple(t) for t in triggers] == [
+        ("fast", "manual", "http"),
+        ("yearly", "scheduled", "http"),
+    ]
+    await post(client, a.url + "/cron/jobs/fast/pause")
+    r = await post(client, a.url + "/cron/fast")
+    assert r.json() == {"job": "fast", "skipped": True, "reason": "paused"}
+    # Under the lock (no probe, as when the lock keys could not be checked): paused too.
+    async with own_runner(make_settings()) as runner:
+        runner.probe_keys = None
+        fast = runner.registry["fast"]
+        skipped = await runner.trigger(fast)
+        assert (skipped.kind, skipped.reason, skipped.trigger) == ("skipped", "paused", "manual")
+        assert await db.fetchval("SELECT count(*) FROM cronlock.runs WHERE job = 'fast'") == 1
+        forced = await runner.trigger(fast, force=True)
+        assert (forced.kind, forced.trigger) == ("succeeded", "manual")
+    r = await post(client, a.url + "/cron/fast?force=true")
+    assert "processed" in r.json()
+    rows = await db.fetch("SELECT trigger FROM cronlock.runs WHERE job = 'fast' ORDER BY id")
+    assert [row["trigger"] for row in rows] == ["manual", "manual", "manual"]

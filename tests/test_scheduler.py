@@ -187,6 +187,8 @@ async def test_missed_policies_all_and_latest(
                 job,
                 last,
             )
+            # First seen at that run: the history `all` looks back over starts there.
+            await db.execute("INSERT INTO cronlock.jobs_seen VALUES ($1, $2)", job, last)
         if paused_first:
             for job in ("tick", "tick-latest"):
                 await pause.pause(db, "cronlock", job, by="test")
@@ -229,6 +231,9 @@ async def test_missed_all_says_where_its_look_back_stopped(
             "INSERT INTO cronlock.runs (job, slot, status, trigger, instance, started_at)"
             " VALUES ('tick', $1, 'succeeded', 'scheduled', 'gone', $1)",
             now - timedelta(seconds=12),
+        )
+        await db.execute(
+            "INSERT INTO cronlock.jobs_seen VALUES ('tick', $1)", now - timedelta(seconds=12)
         )
         with caplog.at_level("WARNING", logger="cronlock.catchup"):
             outcomes = await catchup.catch_up(runner)

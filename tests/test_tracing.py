@@ -130,7 +130,7 @@ async def test_a_trigger_with_a_traceparent_is_its_child_and_the_jobs_spans_nest
         "cronlock.job": "traced",
         "cronlock.source": "http",
         "cronlock.outcome": "succeeded",
-        "cronlock.trigger": "scheduled",
+        "cronlock.trigger": "manual",  # no schedule: each run is a request
         "cronlock.run_id": run_id,
         "cronlock.duration_ms": attrs(trigger)["cronlock.duration_ms"],
     }

@@ -23,6 +23,7 @@ from tests.support import TEST_SECRET, auth_headers
 from tests.support.asgi import InProcess, StartApp
 from tests.support.ui import READ_TOKEN, User, csrf_of
 from tests.ui_jobs import HOSTILE
+from tests.util import seen_since
 
 JOBS = "tests.jobs,tests.ui_jobs"
 PAGES = ["/ui/", "/ui/jobs/fast", "/ui/jobs/hourly", "/ui/locks", "/ui/outbox"]
@@ -528,6 +529,177 @@ async def test_the_job_page_filters_its_runs(
         assert 'class="mark status-succeeded"' in every
 
 
+async def test_run_now_shows_the_params_schema_and_an_example(start_app: StartApp) -> None:
+    """The params form starts from the model's defaults (or a shape to fill in) and shows its
+    JSON schema; a job without params has no params form (a body would be refused)."""
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        note = (await user.http.get("/ui/jobs/note")).text
+        assert "Run now with params" in note
+        textarea = note.split('<textarea id="params"')[1].split("</textarea>")[0]
+        assert json.loads(textarea.split(">", 1)[1].replace("&#34;", '"')) == {"text": ""}
+        assert "The params model's defaults" in note
+        assert "Params schema (JSON Schema)" in note
+        assert "&#34;maxLength&#34;: 200" in note  # from Field(max_length=200)
+        # A keyed job's required key with no default: its lowest valid value, open at once.
+        keyed = (await user.http.get("/ui/jobs/keyed")).text
+        assert '<details class="run-params" open>' in keyed
+        example = keyed.split('<textarea id="params"')[1].split("</textarea>")[0]
+        assert json.loads(example.split(">", 1)[1].replace("&#34;", '"')) == {
+            "customer_id": 1,
+            "seconds": 0.0,
+        }
+        fast = (await user.http.get("/ui/jobs/fast")).text
+        assert "Run now with params" not in fast
+        assert 'data-action="run"' in fast  # the plain button stays
+
+
+def test_the_params_example_follows_the_model() -> None:
+    from pydantic import BaseModel, Field
+
+    from cronlock.web.ui.params import form
+
+    class Inner(BaseModel):
+        when: datetime
+        flag: bool = True
+
+    class Params(BaseModel):
+        customer_id: int = Field(gt=0)
+        name: str = Field(min_length=2)
+        dry_run: bool = False
+        tags: list[str] = []
+        inner: Inner
+        choice: int | None = None
+
+    found = form(Params)
+    assert found is not None
+    assert json.loads(found.example) == {
+        "customer_id": 1,
+        "name": "xx",
+        "dry_run": False,
+        "tags": [],
+        "inner": {"when": "2026-01-01T00:00:00Z", "flag": True},
+        "choice": None,
+    }
+    assert found.valid  # every placeholder passes its constraint
+    assert json.loads(found.schema) == Params.model_json_schema()
+    assert form(None) is None
+
+    class Coded(BaseModel):
+        code: str = Field(pattern="^[A-Z]{3}$")
+
+    shape = form(Coded)
+    assert shape is not None
+    assert json.loads(shape.example) == {"code": ""}
+    assert not shape.valid  # the page then asks for real values
+
+
+async def test_run_now_of_a_scheduled_or_paused_job_asks_first(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    """A forced run that repeats a slot's work (a scheduled job) or overrides a pause is a
+    page with a form to confirm, which works without JavaScript; an on-demand job runs at
+    once. Nothing runs, and nothing is recorded, until it is confirmed."""
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        asked = await user.act("/ui/jobs/hourly/run")
+        assert asked.status_code == 200
+        assert "Run hourly now?" in asked.text
+        assert "does not count as the slot's run" in asked.text
+        assert 'name="confirm" value="yes"' in asked.text
+        assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 0
+        assert await db.fetchval("SELECT count(*) FROM cronlock.ui_actions") == 0
+        confirmed = await user.http.post(
+            "/ui/jobs/hourly/run",
+            data={"csrf": csrf_of(asked.text), "params": "", "confirm": "yes"},
+        )
+        assert confirmed.status_code == 303
+        assert confirmed.headers["location"].startswith("/ui/runs/")
+        row = await db.fetchrow("SELECT job, trigger, source FROM cronlock.runs")
+        assert row is not None
+        assert tuple(row) == ("hourly", "manual", "ui")
+        # Asked again: the slot's state is said (a manual run does not make it succeeded).
+        again = await user.act("/ui/jobs/hourly/run")
+        assert "has no succeeded run yet" in again.text
+        # On demand: no question. Paused: asked, and the pause is named.
+        assert (await user.act("/ui/jobs/fast/run")).status_code == 303
+        await user.act("/ui/jobs/fast/pause", note="maintenance")
+        paused = await user.act("/ui/jobs/fast/run")
+        assert paused.status_code == 200
+        assert "The job is paused (by ui (secret): maintenance)" in paused.text
+        # A bad params text is refused before any question.
+        assert (await user.act("/ui/jobs/hourly/run", params="{nope")).status_code == 422
+
+
+async def test_a_run_without_params_or_result_says_none(
+    start_app: StartApp, client: httpx.AsyncClient
+) -> None:
+    app = await ui_app(start_app)
+    ran = await client.post(app.url + "/cron/fails", headers=auth_headers())
+    run_id = ran.json()["run_id"]
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        text = (await user.http.get(f"/ui/runs/{run_id}")).text
+        assert '<p class="params muted">none</p>' in text
+        assert '<p class="result muted">none</p>' in text
+        assert "null" not in text
+
+
+async def test_the_runs_page_lists_every_jobs_runs_and_failures(
+    start_app: StartApp, client: httpx.AsyncClient
+) -> None:
+    app = await ui_app(start_app)
+    for path in ["/cron/fast", "/cron/fails", "/cron/note", "/cron/fast"]:
+        await client.post(app.url + path, headers=auth_headers())
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        jobs = (await user.http.get("/ui/")).text
+        assert '<a href="/ui/runs">Runs</a>' in jobs  # in the navigation
+        every = (await user.http.get("/ui/runs")).text
+        recent, runs = every.split("<h2>Recent runs</h2>")
+        assert recent.count('data-run="') == 1  # the one failure, above
+        assert '<a href="/ui/jobs/fails">fails</a>' in recent
+        assert runs.count('data-run="') == 4
+        for job in ("fast", "fails", "note"):
+            assert f'<a href="/ui/jobs/{job}">{job}</a>' in runs
+        failures = (await user.http.get("/ui/runs?status=failures")).text
+        assert failures.count('data-run="') == 1
+        assert "Recent failures" not in failures
+        one_job = (await user.http.get("/ui/runs?job=fast")).text
+        assert one_job.count('data-run="') == 2  # both runs, no failure
+        assert "No failures." in one_job
+        paged = (await user.http.get("/ui/runs?status=succeeded&before=3")).text
+        assert paged.count('data-run="') == 1
+        assert (await user.http.get("/ui/runs?status=nope")).status_code == 422
+        assert (await user.http.get("/ui/runs?job=nope")).status_code == 404
+        assert (await user.http.get("/ui/runs?before=x")).status_code == 422
+
+
+async def test_the_timeline_starts_when_the_job_was_first_seen(
+    start_app: StartApp, db: asyncpg.Connection
+) -> None:
+    """A fresh install's hourly job missed nothing; deployed long ago, its past day's slots
+    are missed (none ran), counted in words that agree with the number."""
+    app = await ui_app(start_app)
+    async with User(app) as user:
+        await user.login(TEST_SECRET)
+        fresh = (await user.http.get("/ui/jobs/hourly")).text
+        assert "0 runs, 0 missed slots" in fresh
+        assert 'class="slot missed"' not in fresh
+        assert "Its history starts" in fresh
+        await seen_since(db, "hourly")
+        old = (await user.http.get("/ui/jobs/hourly?days=1")).text
+        assert "Its history starts" not in old
+        missed = old.count('class="slot missed"')
+        assert missed >= 23
+        assert f"0 runs, {missed} missed slots" in old
+    assert words.counted(1, "missed slot") == "1 missed slot"
+    assert words.counted(0, "run") == "0 runs"
+    assert words.counted(2, "run") == "2 runs"
+
+
 # --- the parts without HTTP ------------------------------------------------------------------
 
 
@@ -569,7 +741,8 @@ def test_timeline_marks_runs_and_missed_slots() -> None:
     # Every hour ran but three; one of those failed (a run, not a gap).
     runs = [_run(i, s, s) for i, s in enumerate(slots) if i not in (3, 4, 5)]
     runs.append(_run(99, slots[5], slots[5], "failed"))
-    line = timeline.build(job, runs, now, days=1)
+    long_ago = now - timedelta(days=30)  # deployed a month ago
+    line = timeline.build(job, runs, now, days=1, seen=long_ago)
     assert len(line.marks) == 22
     assert sum(1 for m in line.marks if m.status == "failed") == 1
     assert line.missed == 2
@@ -582,11 +755,21 @@ def test_timeline_marks_runs_and_missed_slots() -> None:
     # Only the newest runs fetched (the page's query is capped): the slots older than the
     # oldest of them are not known to be missed.
     newest = [r for r in runs if r.started_at > slots[6]]  # back to slot 5's failed run
-    partial = timeline.build(job, newest, now, days=1, complete=False)
+    partial = timeline.build(job, newest, now, days=1, seen=long_ago, complete=False)
     assert partial.missed == 2  # slots 3 and 4, after the oldest run given
-    assert timeline.build(job, newest, now, days=1).missed == 20  # as if the rest were
+    assert (
+        timeline.build(job, newest, now, days=1, seen=long_ago).missed == 20
+    )  # as if the rest were
+    # History starts when the database first saw the job: first seen at 08:10, the 09:00 slot
+    # is missed but not the 08:00 one (nor any older); never seen, nothing is missed.
+    since_8 = timeline.build(job, newest, now, days=1, seen=now.replace(hour=8, minute=10))
+    assert [t.title for t in since_8.slots if t.missed] == ["slot 2026-12-03 09:00: missed"]
+    assert since_8.missed == 1
+    assert timeline.build(job, [], now, days=1, seen=now - timedelta(minutes=1)).missed == 0
+    assert timeline.build(job, [], now, days=1, seen=None).missed == 0
+    assert timeline.build(job, [], now, days=1, seen=long_ago).missed == 24
     every_minute = Job(name="m", func=lambda ctx: None, schedule=Schedule.parse("* * * * *"))  # type: ignore[arg-type, return-value]
-    assert not timeline.build(every_minute, [], now, days=1).slots_drawn
+    assert not timeline.build(every_minute, [], now, days=1, seen=long_ago).slots_drawn
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ from tests.support import TEST_SECRET
 from tests.support.binaries import SKIP_ENV, require_binary
 from tests.support.cluster import Instance
 from tests.support.ui import READ_TOKEN
+from tests.util import seen_since
 
 pytestmark = pytest.mark.slow
 
@@ -277,7 +278,9 @@ async def test_trigger_run_now_and_cancel(
     ui.get(f"{base}/ui/jobs/refresh-cache")
     wait(ui, lambda d: d.find_elements(By.CSS_SELECTOR, "figure.timeline svg"), "the timeline")
     assert len(ui.find_elements(By.CSS_SELECTOR, "svg rect.mark")) == 2
-    # A scheduled job's history: a day of hourly runs, one failed, two slots missed.
+    # A scheduled job's history: a day of hourly runs, one failed, two slots missed (deployed
+    # long before: its history starts before the window).
+    await seen_since(db, "hourly")
     await db.execute(HISTORY_SQL)
     ui.get(f"{base}/ui/jobs/hourly")
     wait(ui, lambda d: d.find_elements(By.CSS_SELECTOR, "svg circle.missed"), "the gaps")
@@ -285,12 +288,37 @@ async def test_trigger_run_now_and_cancel(
     assert len(ui.find_elements(By.CSS_SELECTOR, "svg rect.mark.status-failed")) == 1
     audit(ui, "job")
 
-    # With JavaScript off, the forms still work: run now, plainly posted.
+    # Every job's runs and the newest failures: the page the navigation opens.
+    click(ui, 'nav a[href$="/ui/runs"]')
+    wait(ui, lambda d: "Recent failures" in text(d), "the runs page")
+    assert ui.find_elements(By.CSS_SELECTOR, f'table.all-runs [data-run="{long_id}"]')
+    audit(ui, "runs")
+
+    # A scheduled job's forced run asks first, on a page of its own; confirmed, it runs.
+    ui.get(f"{base}/ui/jobs/hourly")
+    click(ui, '[data-action="run"]')
+    wait(ui, lambda d: "Run hourly now?" in text(d), "the confirmation page")
+    audit(ui, "confirm")
+    click(ui, '[data-action="confirm-run"]')
+    wait(ui, lambda d: "/ui/runs/" in d.current_url, "the confirmed run")
+    confirmed = int(ui.current_url.rsplit("/", 1)[1])
+    trigger = "SELECT job, trigger, source FROM cronlock.runs WHERE id = $1"
+    recorded = await db.fetchrow(trigger, confirmed)
+    assert recorded is not None
+    assert tuple(recorded) == ("hourly", "manual", "ui")
+
+    # With JavaScript off, the forms still work: run now, plainly posted, and its question.
     ui.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": True})
     ui.get(f"{base}/ui/")
     click(ui, '[data-job="refresh-cache"] [data-action="run"]')
     wait(ui, lambda d: "/ui/runs/" in d.current_url, "the run page without scripts")
-    assert int(ui.current_url.rsplit("/", 1)[1]) > long_id
+    assert int(ui.current_url.rsplit("/", 1)[1]) > confirmed
+    ui.get(f"{base}/ui/jobs/hourly")
+    click(ui, '[data-action="run"]')
+    wait(ui, lambda d: "Run hourly now?" in text(d), "the confirmation page without scripts")
+    click(ui, '[data-action="confirm-run"]')
+    wait(ui, lambda d: "/ui/runs/" in d.current_url, "the confirmed run without scripts")
+    assert int(ui.current_url.rsplit("/", 1)[1]) > confirmed
 
 
 async def test_requeue_a_dead_email(

@@ -7,6 +7,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -116,3 +117,18 @@ async def runs(db: asyncpg.Connection, job: str) -> list[dict[str, Any]]:
                 item[column] = json.loads(item[column])
         decoded.append(item)
     return decoded
+
+
+async def seen_since(
+    db: asyncpg.Connection, *jobs: str, ago: timedelta = timedelta(days=400)
+) -> None:
+    """Set back when the database first saw `jobs` (`jobs_seen`), as if deployed `ago` (over a
+    year by default, so a yearly job has had a slot to miss): a job's history starts there, so
+    only slots after it can be missed or overdue (core/due.py)."""
+    await db.execute(
+        """INSERT INTO cronlock.jobs_seen (job, first_seen_at)
+           SELECT unnest($1::text[]), now() - $2::interval
+           ON CONFLICT (job) DO UPDATE SET first_seen_at = excluded.first_seen_at""",
+        list(jobs),
+        ago,
+    )

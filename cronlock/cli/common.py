@@ -81,6 +81,19 @@ def load_registry(settings: Settings) -> Registry:
         raise SettingsError(str(exc)) from exc
 
 
+class UsageError(Exception):
+    """A command line naming something that is not there: main prints the one line and exits
+    2, as argparse does for a malformed argument."""
+
+
+def known_job(registry: Registry, name: str | None) -> None:
+    """The one rule of every command that names a job (`run`, `runs --job`, `cancel`, `pause`,
+    `schedules ...`): a name the deployment does not declare is a usage error, never an empty
+    answer."""
+    if name is not None and name not in registry:
+        raise UsageError(f"unknown job {name!r}; known: {', '.join(registry)}")
+
+
 def fail(message: str, code: int) -> int:
     print(f"cronlock: {message}", file=sys.stderr)
     return code

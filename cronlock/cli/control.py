@@ -21,6 +21,7 @@ from cronlock.cli.common import (
     connection,
     fail,
     job_name,
+    known_job,
     load_registry,
     print_json,
     when,
@@ -73,8 +74,7 @@ def add_pause(sub: Any) -> None:
 
 async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     registry = load_registry(settings)
-    if args.job not in registry:
-        return fail(f"unknown job {args.job!r}; known: {', '.join(registry)}", EXIT_USAGE)
+    known_job(registry, args.job)
     # Waits up to --wait on purpose: ops.cancel bounds each step instead of the whole command.
     async with connection(settings, bounded=False) as conn:
         done = await ops.cancel(
@@ -155,9 +155,7 @@ def _operator() -> str:
 
 
 async def cmd_pause(args: argparse.Namespace, settings: Settings) -> int:
-    registry = load_registry(settings)
-    if args.job not in registry:
-        return fail(f"unknown job {args.job!r}; known: {', '.join(registry)}", EXIT_USAGE)
+    known_job(load_registry(settings), args.job)
     async with connection(settings) as conn:
         try:
             state = await pause.pause(
@@ -180,9 +178,7 @@ async def cmd_pause(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def cmd_resume(args: argparse.Namespace, settings: Settings) -> int:
-    registry = load_registry(settings)
-    if args.job not in registry:
-        return fail(f"unknown job {args.job!r}; known: {', '.join(registry)}", EXIT_USAGE)
+    known_job(load_registry(settings), args.job)
     async with connection(settings) as conn:
         was = await pause.resume(conn, settings.db_schema, args.job)
     if args.json:

@@ -29,6 +29,7 @@ from cronlock.cli.common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     Command,
+    UsageError,
     fail,
 )
 from cronlock.db.schema import MigrationError
@@ -96,7 +97,7 @@ def _dispatch(handler: Command, args: argparse.Namespace) -> int:
             # A driver error no command translated: the same translation as everywhere, then
             # the same exit codes.
             raise translate(exc) from exc
-    except SettingsError as exc:
+    except (SettingsError, UsageError) as exc:
         print(f"cronlock: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except InvalidInput as exc:

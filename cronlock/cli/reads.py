@@ -13,6 +13,7 @@ from cronlock.cli.common import (
     KEY,
     connection,
     job_name,
+    known_job,
     load_registry,
     ms,
     print_json,
@@ -109,6 +110,7 @@ def _late(j: Any) -> str | None:
 
 async def cmd_runs(args: argparse.Namespace, settings: Settings) -> int:
     registry = load_registry(settings)
+    known_job(registry, args.job)
     async with connection(settings) as conn:
         await ops.sweep(conn, settings, args.job)
         async with ops.reading(conn):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,15 +19,16 @@ from cronlock.cli.common import (
     PARAMS,
     fail,
     job_name,
+    known_job,
     load_registry,
     translated,
 )
-from cronlock.core import catchup, fanout_retry
+from cronlock.core import catchup, fanout_retry, ledger
 from cronlock.core.jobs import Registry
 from cronlock.core.outcome import answer
 from cronlock.core.params import parse_params
 from cronlock.core.runner import Runner
-from cronlock.db.pool import Database
+from cronlock.db.pool import Conn, Database
 from cronlock.errors import DatabaseUnavailable, InvalidTrigger, JobDefinitionError, RetryRefused
 from cronlock.inputs import INT_MAX
 from cronlock.settings import Settings, SettingsError
@@ -68,9 +68,7 @@ def add_catch_up(sub: Any) -> None:
 
 async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     registry = load_registry(settings)
-    if args.job not in registry:
-        print(f"cronlock: unknown job {args.job!r}; known: {', '.join(registry)}", file=sys.stderr)
-        return EXIT_USAGE
+    known_job(registry, args.job)
     try:
         registry.check_leases(settings.db_query_timeout, settings.lease_margin)
     except JobDefinitionError as exc:
@@ -133,7 +131,13 @@ async def _runner(settings: Settings, registry: Registry) -> AsyncIterator[Runne
     """A Runner on a pool of its own, for `run` and `catch-up`, on a database ready for jobs
     only: migrations are `migrate`'s (MIGRATE_ON_START is the service's), as for `jobs`."""
     settings = settings.model_copy(update={"migrate_on_start": False})
-    db = Database(settings)
+    names = list(registry)
+
+    async def see_jobs(conn: Conn) -> None:
+        # The jobs run from here are declared here: their history starts now at the latest.
+        await ledger.see_jobs(conn, settings.db_schema, names)
+
+    db = Database(settings, on_ready=see_jobs)
     try:
         with translated():
             await db.open()

@@ -17,6 +17,7 @@ from cronlock.cli.common import (
     connection,
     fail,
     job_name,
+    known_job,
     load_registry,
     print_json,
     table,
@@ -73,8 +74,11 @@ def _refused(exc: InvalidSchedule) -> int:
     return fail(f"invalid {'.'.join(exc.loc) or 'value'}: {exc.reason}", EXIT_USAGE)
 
 
-def _api(settings: Settings) -> schedules.Schedules:
+def _api(settings: Settings, job: str) -> schedules.Schedules:
+    """The schedules of `job`'s deployment, once `job` is known to it (a job that is not
+    dynamic is refused by the API, naming why)."""
     registry = load_registry(settings)
+    known_job(registry, job)
     return schedules.Schedules(lambda: registry, settings)
 
 
@@ -93,7 +97,7 @@ def _show(row: schedules.Row, as_json: bool) -> None:
 
 
 async def cmd_set(args: argparse.Namespace, settings: Settings) -> int:
-    api = _api(settings)
+    api = _api(settings, args.job)
     try:
         params = json.loads(args.params) if args.params is not None else None
     except ValueError as exc:
@@ -117,7 +121,7 @@ async def cmd_set(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def cmd_rm(args: argparse.Namespace, settings: Settings) -> int:
-    api = _api(settings)
+    api = _api(settings, args.job)
     try:
         key = _key(api, args.job, args.key)
         async with connection(settings) as conn:
@@ -132,7 +136,7 @@ async def cmd_rm(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _one(args: argparse.Namespace, settings: Settings, what: str) -> int:
-    api = _api(settings)
+    api = _api(settings, args.job)
     try:
         key = _key(api, args.job, args.key)
         async with connection(settings) as conn:
@@ -163,7 +167,7 @@ async def cmd_resume(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def cmd_ls(args: argparse.Namespace, settings: Settings) -> int:
-    api = _api(settings)
+    api = _api(settings, args.job)
     try:
         async with connection(settings) as conn:
             found = await api.list(

@@ -142,6 +142,9 @@ def cmd_trigger(args: argparse.Namespace, settings: Settings) -> int:
         return fail(f"not the service's answer from {base}: {exc}", EXIT_UNAVAILABLE)
     if args.json:
         print(json.dumps(body))
+    elif status == 404 and isinstance(body, dict) and body.get("error") == "unknown job":
+        # The rule of every command naming a job (cli/common.py `known_job`): one line, exit 2.
+        return fail(f"unknown job {args.job!r} at {base}", EXIT_USAGE)
     elif isinstance(body, dict):
         prefix = f"HTTP {status}"
         print(prefix + " " + " ".join(f"{k}={v}" for k, v in body.items()))

@@ -5,7 +5,8 @@ once.
 
 Policies (`@job(missed=...)`): `latest` (what `catch_up=True` is, and always was) runs the due
 slot once when it was missed; `all` runs every missed slot, oldest first, within the backfill
-window and `max_lateness`, never before the job's first run, looking at most MAX_ALL_TICKS
+window and `max_lateness`, never before the database first saw the job (a job deployed
+today missed nothing yesterday: cronlock/core/due.py), looking at most MAX_ALL_TICKS
 ticks back (older missed slots are not run: a warning names where the look stopped); `none`
 (the default) leaves them overdue for a person.
 """
@@ -46,18 +47,17 @@ _TINY = timedelta(microseconds=1)
 
 
 def recent_ticks(
-    job: Job, now: datetime, first: datetime | None, backfill_window: float
+    job: Job, now: datetime, seen: datetime | None, backfill_window: float
 ) -> tuple[list[datetime], bool]:
     """The ticks the `all` policy considers, oldest first: from the due slot back, within the
-    backfill window and `max_lateness`, not before `first` (the job's first run), at most
-    MAX_ALL_TICKS of them; and whether older ones in that range were left out."""
+    backfill window and `max_lateness`, not before `seen` (when the database first saw the
+    job; None: never, so none), at most MAX_ALL_TICKS of them; and whether older ones in that
+    range were left out."""
     due = due_slot(job, now)
-    if due is None or job.schedule is None:
+    if due is None or job.schedule is None or seen is None:
         return [], False
     reach = backfill_window if job.max_lateness is None else min(backfill_window, job.max_lateness)
-    oldest = now - timedelta(seconds=reach)
-    # A job that never ran missed nothing before its due slot.
-    oldest = max(oldest, due if first is None else first)
+    oldest = max(now - timedelta(seconds=reach), seen)
     ticks: list[datetime] = []
     tick = due
     while tick >= oldest and len(ticks) < MAX_ALL_TICKS:
@@ -67,14 +67,17 @@ def recent_ticks(
 
 
 async def _missed(
-    conn: Conn, job: Job, now: datetime, last_success: datetime | None, settings: Settings
+    conn: Conn,
+    job: Job,
+    now: datetime,
+    last_success: datetime | None,
+    seen: datetime | None,
+    settings: Settings,
 ) -> list[datetime]:
     """The slots `job`'s policy runs now, oldest first."""
     schema = settings.db_schema
     if job.missed_policy == "all":
-        ticks, cut = recent_ticks(
-            job, now, await ledger.first_slot(conn, schema, job.name), settings.backfill_window
-        )
+        ticks, cut = recent_ticks(job, now, seen, settings.backfill_window)
         if not ticks:
             return []
         done = await ledger.attempted_slots(conn, schema, job.name, ticks[0])
@@ -91,18 +94,23 @@ async def _missed(
                 extra={"job": job.name, "slot": ticks[0].isoformat()},
             )
         return missed
-    slot = missed_slot(job, now, last_success, settings.backfill_window)
+    slot = missed_slot(job, now, last_success, seen, settings.backfill_window)
     if slot is None or await ledger.slot_attempted(conn, schema, job.name, slot):
         return []
     return [slot]
 
 
 def missed_slot(
-    job: Job, now: datetime, last_success: datetime | None, backfill_window: float
+    job: Job,
+    now: datetime,
+    last_success: datetime | None,
+    seen: datetime | None,
+    backfill_window: float,
 ) -> datetime | None:
-    """The slot a `catch_up` job should still run: overdue, young enough to backfill, and not
-    later than the job's own `max_lateness` allows."""
-    if job.missed_policy == "none" or not is_overdue(job, now, last_success):
+    """The slot a `catch_up` job should still run: overdue (which needs `seen`, when the
+    database first saw the job, before it), young enough to backfill, and not later than the
+    job's own `max_lateness` allows."""
+    if job.missed_policy == "none" or not is_overdue(job, now, last_success, seen):
         return None
     slot = due_slot(job, now)
     assert slot is not None
@@ -141,11 +149,12 @@ async def catch_up(runner: Runner) -> list[Outcome]:
             if not row["locked"]:
                 return []
             now: datetime = row["db_now"]
-            succeeded = await ledger.last_succeeded_slots(
-                conn, settings.db_schema, [j.name for j in chosen]
-            )
+            names = [j.name for j in chosen]
+            succeeded = await ledger.last_succeeded_slots(conn, settings.db_schema, names)
+            seen = await ledger.first_seen(conn, settings.db_schema, names)
             for job in chosen:
-                for slot in await _missed(conn, job, now, succeeded.get(job.name), settings):
+                last, since = succeeded.get(job.name), seen.get(job.name)
+                for slot in await _missed(conn, job, now, last, since, settings):
                     log.info(
                         "catching up %s",
                         job.name,

@@ -122,9 +122,12 @@ class FanoutRunner:
         params: Any,
         source: str,
         *,
+        forced: bool = False,
         retry_of: ledger.Run | None = None,
         first_attempt: bool = False,
     ) -> Outcome:
+        """Decide under the (job, key)'s lock and plan the run; `forced`: an operator's
+        `force=true` (the pause does not stop it)."""
         # The run's span (when traced) covers its planning: opened once the run is recorded,
         # a child of the trigger's; its context is stored with the fan-out, the parent of
         # every item's span on whichever instance works it (cronlock/tracing.py).
@@ -137,6 +140,7 @@ class FanoutRunner:
                 backfill,
                 params,
                 source,
+                forced=forced,
                 retry_of=retry_of,
                 first_attempt=first_attempt,
                 spans=spans,
@@ -155,6 +159,7 @@ class FanoutRunner:
         params: Any,
         source: str,
         *,
+        forced: bool,
         retry_of: ledger.Run | None,
         first_attempt: bool,
         spans: contextlib.ExitStack,
@@ -200,7 +205,14 @@ class FanoutRunner:
                     if retry_of is not None and await ledger.retried(conn, schema, retry_of.id):
                         return runner.skip(job, "already retried", backfill, trigger, source, key)
                     skip, slot = await runner.decide_slot(
-                        conn, job, key, trigger, backfill, now, first_attempt=first_attempt
+                        conn,
+                        job,
+                        key,
+                        trigger,
+                        backfill,
+                        now,
+                        forced=forced,
+                        first_attempt=first_attempt,
                     )
                     if skip is not None:
                         return runner.skip(job, skip, slot, trigger, source, key)

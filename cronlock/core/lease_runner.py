@@ -107,6 +107,7 @@ class RunnerParts(Protocol):
         backfill: datetime | None,
         now: datetime,
         *,
+        forced: bool = False,
         first_attempt: bool = False,
     ) -> tuple[str | None, datetime | None]: ...
 
@@ -169,6 +170,7 @@ class LeaseRunner:
         params: Any,
         source: str,
         *,
+        forced: bool = False,
         takeover_only: bool = False,
         retry_of: ledger.Run | None = None,
         first_attempt: bool = False,
@@ -176,6 +178,7 @@ class LeaseRunner:
     ) -> Outcome | None:
         """Decide under the (job, key)'s lock, then start the run in the background.
 
+        `forced`: an operator's `force=true` (the pause does not stop it).
         `takeover_only` (the watcher): take an expired run over, or do nothing (None).
         `retry_of` (cronlock/core/retries.py): the failed attempt this one retries, for its slot;
         its checkpoint comes along, as for any next attempt at a slot."""
@@ -224,7 +227,14 @@ class LeaseRunner:
                         if takeover_only:
                             return None
                         skip, slot = await runner.decide_slot(
-                            conn, job, key, trigger, backfill, now, first_attempt=first_attempt
+                            conn,
+                            job,
+                            key,
+                            trigger,
+                            backfill,
+                            now,
+                            forced=forced,
+                            first_attempt=first_attempt,
                         )
                         if skip is not None:
                             return runner.skip(job, skip, slot, trigger, source, key)

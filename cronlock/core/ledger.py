@@ -6,6 +6,7 @@ Timestamps come from the database clock: `now()` inside the lock transaction,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -211,7 +212,7 @@ async def get(conn: Conn | asyncpg.Pool, schema: str, run_id: int) -> Run | None
 LIST_SQL = f"""
 SELECT {COLUMNS} FROM {{schema}}.runs
 WHERE ($1::text IS NULL OR job = $1)
-  AND ($2::text IS NULL OR status = $2)
+  AND ($2::text[] IS NULL OR status = ANY($2::text[]))
   AND ($3::bigint IS NULL OR id < $3)
   AND ($5::text IS NULL OR key = $5)
 ORDER BY id DESC
@@ -228,10 +229,12 @@ async def list_runs(
     before: int | None = None,
     limit: int = 50,
     key: str | None = None,
+    statuses: Sequence[str] | None = None,
 ) -> list[Run]:
     """Newest first; `before` is the cursor (a run id) for the next page; `key` keeps one
-    key's runs (of keyed jobs)."""
-    rows = await conn.fetch(qualify(LIST_SQL, schema), job, status, before, limit, key)
+    key's runs (of keyed jobs); `statuses`: any of these (the dashboard's failures)."""
+    wanted = [status] if status is not None else list(statuses) if statuses else None
+    rows = await conn.fetch(qualify(LIST_SQL, schema), job, wanted, before, limit, key)
     return [Run.from_record(r) for r in rows]
 
 
@@ -325,6 +328,31 @@ async def last_succeeded_slots(
     return {r["job"]: r["slot"] for r in rows if r["slot"] is not None}
 
 
+# When this database first saw each job (`jobs_seen`, migration 0018): a job's history starts
+# there, so slots before it are neither missed nor overdue. Every instance (and the CLI's
+# `run`) records the jobs it declares once it finds the database migrated; the first to do so
+# sets the time, by the database's clock, and later ones change nothing.
+SEE_JOBS_SQL = """
+INSERT INTO {schema}.jobs_seen (job) SELECT unnest($1::text[]) ON CONFLICT (job) DO NOTHING
+"""
+FIRST_SEEN_SQL = """
+SELECT job, first_seen_at FROM {schema}.jobs_seen WHERE job = ANY($1::text[])
+"""
+
+
+async def see_jobs(conn: Conn | asyncpg.Pool, schema: str, jobs: list[str]) -> None:
+    """Record `jobs` as seen now, unless this database saw them before."""
+    await conn.execute(qualify(SEE_JOBS_SQL, schema), jobs)
+
+
+async def first_seen(
+    conn: Conn | asyncpg.Pool, schema: str, jobs: list[str]
+) -> dict[str, datetime]:
+    """When this database first saw each of `jobs` (absent: never, so nothing is late yet)."""
+    rows = await conn.fetch(qualify(FIRST_SEEN_SQL, schema), jobs)
+    return {r["job"]: r["first_seen_at"] for r in rows}
+
+
 RUNNING_BY_PID_SQL = """
 SELECT backend_pid, id, job, key FROM {schema}.runs
 WHERE status = 'running' AND backend_pid = ANY($1::int[])
@@ -381,14 +409,11 @@ async def key_slot_attempted(conn: Conn, schema: str, job: str, key: str, slot: 
     return bool(await conn.fetchval(qualify(KEY_SLOT_ATTEMPTED_SQL, schema), job, key, slot))
 
 
-# The missed-slot policy `all` (cronlock/core/catchup.py): which recent slots have any attempt, and
-# where the job's history starts (slots before its first run were never missed).
+# The missed-slot policy `all` (cronlock/core/catchup.py): which recent slots have any attempt
+# (where the job's history starts is `first_seen`).
 ATTEMPTED_SINCE_SQL = """
 SELECT DISTINCT slot FROM {schema}.runs
 WHERE job = $1 AND slot >= $2 AND trigger IN ('scheduled', 'backfill')
-"""
-FIRST_SLOT_SQL = """
-SELECT min(slot) FROM {schema}.runs WHERE job = $1 AND trigger IN ('scheduled', 'backfill')
 """
 
 
@@ -398,12 +423,6 @@ async def attempted_slots(
     """Slots from `since` on with a scheduled or backfill run, whatever its outcome."""
     rows = await conn.fetch(qualify(ATTEMPTED_SINCE_SQL, schema), job, since)
     return {r["slot"] for r in rows}
-
-
-async def first_slot(conn: Conn | asyncpg.Pool, schema: str, job: str) -> datetime | None:
-    """The oldest slot the ledger has a scheduled or backfill run for."""
-    found: datetime | None = await conn.fetchval(qualify(FIRST_SLOT_SQL, schema), job)
-    return found
 
 
 # --- retries (cronlock/core/retries.py) -----------------------------------------------------------

@@ -164,7 +164,16 @@ class Runner:
         planned: schedules.Planned | None,
         message_id: str | None,
     ) -> Outcome:
-        trigger: Trigger = "manual" if force else "backfill" if slot is not None else "scheduled"
+        # What the ledger records: `manual` for an operator's forced run and for any run of a
+        # job without a schedule (nothing schedules it: each run is someone's request). What
+        # decides (the pause's exemption, "already done") is `force`, not this label.
+        trigger: Trigger = (
+            "manual"
+            if force or (slot is None and planned is None and job.schedule is None)
+            else "backfill"
+            if slot is not None
+            else "scheduled"
+        )
         if slot is not None:
             self._check_backfill_slot(job, slot, force)
         # A keyed job's params were validated (cronlock/core/jobs.py `parse_params`), its key with
@@ -180,8 +189,8 @@ class Runner:
             # dispatched row was just claimed for this run: what the probe would skip (paused,
             # running, attempted) is decided under the lock anyway, one round trip less.
             probing = message_id is None and planned is None
-            if trigger == "scheduled" and self.probe_keys and probing:
-                skipped = await self._probe(job, key, source)
+            if not force and slot is None and self.probe_keys and probing:
+                skipped = await self._probe(job, key, trigger, source)
                 if skipped is not None:
                     return skipped
             if job.fanout is not None:
@@ -193,6 +202,7 @@ class Runner:
                     slot,
                     params,
                     source,
+                    forced=force,
                     retry_of=retry_of,
                     first_attempt=first_attempt,
                 )
@@ -204,6 +214,7 @@ class Runner:
                     slot,
                     params,
                     source,
+                    forced=force,
                     retry_of=retry_of,
                     first_attempt=first_attempt,
                     message_id=message_id,
@@ -216,6 +227,7 @@ class Runner:
                 job,
                 key,
                 trigger,
+                force,
                 slot,
                 params,
                 source,
@@ -252,7 +264,9 @@ class Runner:
         assert self.probe_keys is not None
         return self.probe_keys[job.name] if key is None else self.registry.lock(job.name, key)
 
-    async def _probe(self, job: Job, key: str | None, source: str) -> Outcome | None:
+    async def _probe(
+        self, job: Job, key: str | None, trigger: Trigger, source: str
+    ) -> Outcome | None:
         """The cheap first look: skip without a transaction when the lock is visibly held or
         this instance already knows the slot is done; None means "go and try for real"."""
         await self.db.ensure_ready()
@@ -281,15 +295,15 @@ class Runner:
         if row["standby"]:
             raise DatabaseUnavailable(STANDBY_REASON)
         if row["paused"]:
-            return self.skip(job, "paused", None, "scheduled", source, key)
+            return self.skip(job, "paused", None, trigger, source, key)
         # When both hold (a concurrent trigger is looking at a slot that is done), "already
         # done" wins: it is the more useful answer, and the lock holder can only be deciding.
         if job.schedule is not None:
             slot = job.schedule.slot_for(row["db_now"], job.early_tolerance)
             if row["done_slot"] == slot:
-                return self.skip(job, "already done", slot, "scheduled", source, key)
+                return self.skip(job, "already done", slot, trigger, source, key)
         if row["running"]:
-            return self.skip(job, "already running", None, "scheduled", source, key)
+            return self.skip(job, "already running", None, trigger, source, key)
         # running is None: the hint named a done slot the database's clock disagrees with (a
         # tick between the two clocks), so the lock was not looked at; the real attempt decides.
         return None
@@ -339,6 +353,7 @@ class Runner:
         job: Job,
         key: str | None,
         trigger: Trigger,
+        forced: bool,
         backfill: datetime | None,
         params: Any,
         source: str,
@@ -394,6 +409,7 @@ class Runner:
                     trigger,
                     backfill,
                     now,
+                    forced=forced,
                     first_attempt=first_attempt,
                     planned=planned,
                 )
@@ -473,13 +489,16 @@ class Runner:
         backfill: datetime | None,
         now: datetime,
         *,
+        forced: bool = False,
         first_attempt: bool = False,
         planned: schedules.Planned | None = None,
     ) -> tuple[str | None, datetime | None]:
-        """The slot this run is for, and the reason to skip it, if any."""
+        """The slot this run is for, and the reason to skip it, if any. `forced`: an operator's
+        `force=true`, which runs whatever the pause or the slot's success say."""
         # Under the lock too: a pause committed since the probe still stops the run (lease
-        # runs decide here as well). A manual run (force=true) is an operator's: it runs.
-        if trigger != "manual" and await pause.is_paused(conn, self.settings.db_schema, job.name):
+        # runs decide here as well). A forced run is an operator's: it runs. (Not the `manual`
+        # label: a job without a schedule records each run as manual, and a pause stops it.)
+        if not forced and await pause.is_paused(conn, self.settings.db_schema, job.name):
             return "paused", None
         if planned is not None:
             return await self._decide_planned(conn, job, planned, now)
@@ -497,7 +516,7 @@ class Runner:
             slot = backfill
         else:
             slot = job.schedule.slot_for(now, job.early_tolerance)
-            if trigger == "manual":
+            if forced:
                 return None, slot
         if await ledger.already_done(conn, self.settings.db_schema, job.name, slot, key):
             return "already done", slot

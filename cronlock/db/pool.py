@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import asyncpg
@@ -168,10 +168,21 @@ class Database:
     cronlock's own (cronlock/db/engine.py; DATABASE_URL is then not needed for them). Refused
     here, in one line, unless it is PostgreSQL through asyncpg; its statement caches are
     checked when `open` reaches the database (and on every connection taken).
+
+    `on_ready`: run once, on the connection of the check that first finds a migrated primary,
+    before jobs are let run (the instance records the jobs it declares: core/ledger.py
+    `see_jobs`); if it fails, the database is not ready yet and the next check tries again.
     """
 
-    def __init__(self, settings: Settings, *, engine: AsyncEngine | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        engine: AsyncEngine | None = None,
+        on_ready: Callable[[Conn], Awaitable[None]] | None = None,
+    ) -> None:
         self.settings = settings
+        self._on_ready = on_ready
         if engine is not None:
             from cronlock.db.engine import check_engine
 
@@ -319,7 +330,12 @@ class Database:
             with deadline(conn, self.settings.db_query_timeout):
                 found = await schema.status(conn, self.settings.db_schema, self.migration_sets)
             pending = [m.label for m in found.pending]
-            self.migrated = not pending and not found.legacy
+            ready = not pending and not found.legacy
+            if ready and not self.standby and self._on_ready is not None:
+                with deadline(conn, self.settings.db_query_timeout):
+                    await self._on_ready(conn)
+                self._on_ready = None
+            self.migrated = ready
             self.note = found.note
             if self.standby:
                 self.problem = (

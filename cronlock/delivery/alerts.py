@@ -230,7 +230,9 @@ async def _raise_state(
 ) -> None:
     """Overdue (once per job and due slot) and paused too long (once per pause)."""
     paused = await pause.active(conn, settings.db_schema)
-    succeeded = await ledger.last_succeeded_slots(conn, settings.db_schema, [j.name for j in jobs])
+    names = [j.name for j in jobs]
+    succeeded = await ledger.last_succeeded_slots(conn, settings.db_schema, names)
+    seen = await ledger.first_seen(conn, settings.db_schema, names)
     for job in jobs:
         hook = webhook_url(job, settings)
         if not hook:
@@ -258,7 +260,7 @@ async def _raise_state(
                     settings.alert_retry_window,
                 )
             continue  # a paused job is never overdue
-        if job.key is None and is_overdue(job, now, succeeded.get(job.name)):
+        if job.key is None and is_overdue(job, now, succeeded.get(job.name), seen.get(job.name)):
             slot = due_slot(job, now)
             assert slot is not None
             await _queue(

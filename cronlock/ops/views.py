@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal, get_args
@@ -213,6 +213,9 @@ class JobView(BaseModel):
     next_slot: Timestamp | None
     due_slot: Timestamp | None
     last_success_slot: Timestamp | None
+    # When this database first saw the job (an instance declaring it started): its history
+    # starts there, so no slot before it is missed or overdue. None: never seen yet.
+    first_seen: Timestamp | None
     last_run: LastRun | None
     running: bool
     running_on: Holder | None  # the oldest holder, for a keyed job one of `running_keys`
@@ -353,6 +356,7 @@ async def jobs(
     holders = _holders(held if held is not None else await locks(conn, registry), registry)
     last = await ledger.last_runs(conn, registry.schema, names)
     succeeded = await ledger.last_succeeded_slots(conn, registry.schema, names)
+    seen = await ledger.first_seen(conn, registry.schema, names)
     paused = await pause.active(conn, registry.schema, only)
     retrying = await retries.pending(conn, registry, now, RETRY_VIEW_WINDOW, only)
     dynamic = [registry[n] for n in names if registry[n].dynamic]
@@ -384,6 +388,7 @@ async def jobs(
                 next_slot=nxt,
                 due_slot=due_slot(job, now),
                 last_success_slot=succeeded.get(job.name),
+                first_seen=seen.get(job.name),
                 last_run=LastRun.model_validate(run) if run is not None else None,
                 running=bool(running),
                 running_on=running[0] if running else None,
@@ -392,7 +397,7 @@ async def jobs(
                 and (
                     counts[job.name]["late"] > 0
                     if job.dynamic
-                    else is_overdue(job, now, succeeded.get(job.name))
+                    else is_overdue(job, now, succeeded.get(job.name), seen.get(job.name))
                 ),
                 paused=paused.get(job.name),
                 retry=retries.view(retrying[job.name][0], job) if job.name in retrying else None,
@@ -444,11 +449,19 @@ async def runs(
     limit: int = 50,
     key: str | None = None,
     held: list[LockView] | None = None,
+    statuses: Sequence[str] | None = None,
 ) -> RunsPage:
     """Newest first; one row more than asked tells whether there is a next page. `held` is
-    `locks()` if the caller has read it already."""
+    `locks()` if the caller has read it already; `statuses`: runs in any of these."""
     found = await ledger.list_runs(
-        conn, registry.schema, job=job, status=status, before=before, limit=limit + 1, key=key
+        conn,
+        registry.schema,
+        job=job,
+        status=status,
+        before=before,
+        limit=limit + 1,
+        key=key,
+        statuses=statuses,
     )
     page, more = found[:limit], len(found) > limit
     holders = _holders(held if held is not None else await locks(conn, registry), registry)

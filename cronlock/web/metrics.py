@@ -46,9 +46,11 @@ async def refresh(metrics: Metrics, db: Database, registry: Registry) -> None:
                 return
             now: datetime = clock["now"]
             succeeded = await ledger.last_succeeded_slots(conn, registry.schema, list(registry))
+            seen = await ledger.first_seen(conn, registry.schema, list(registry))
             paused = await pause.active(conn, registry.schema)
             overdue = {
-                j.name: j.name not in paused and is_overdue(j, now, succeeded.get(j.name))
+                j.name: j.name not in paused
+                and is_overdue(j, now, succeeded.get(j.name), seen.get(j.name))
                 for j in registry.values()
                 if j.schedule is not None
             }

@@ -37,6 +37,7 @@ from cronlock.ops import views as ops
 from cronlock.settings import Settings
 from cronlock.web.auth import Tokens
 from cronlock.web.deps import RETRY_AFTER_SECONDS, RequestTooLarge, read_body
+from cronlock.web.ui import params as ui_params
 from cronlock.web.ui import session, timeline, words
 from cronlock.web.ui.session import Session
 
@@ -50,6 +51,7 @@ templates = jinja2.Environment(
     lstrip_blocks=True,
 )
 templates.filters["duration"] = words.duration
+templates.filters["counted"] = words.counted
 templates.filters["schedule"] = words.schedule
 templates.filters["mask"] = words.mask
 templates.filters["pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
@@ -299,7 +301,14 @@ async def job_page(request: Request, name: str) -> Response:
                         conn, name, prefix=prefix, after=after, limit=SCHEDULES_PAGE + 1
                     )
         [row] = view.jobs
-        line = timeline.build(job, recent.runs, view.now, days, complete=recent.next is None)
+        line = timeline.build(
+            job,
+            recent.runs,
+            view.now,
+            days,
+            seen=row.first_seen,
+            complete=recent.next is None,
+        )
         filters = {"status": status or "", "key": key or "", "days": str(days)}
         next_query = urlencode({**filters, "before": table.next}) if table.next else None
         return page(
@@ -316,6 +325,7 @@ async def job_page(request: Request, name: str) -> Response:
             windows=WINDOW_DAYS,
             line=line,
             schedules=_schedules(rows, prefix),
+            params_form=ui_params.form(job.params),
         )
 
     return await _guarded(request, render)
@@ -349,11 +359,22 @@ async def run_now(request: Request, name: str) -> Response:
         text = fields.get("params", "").strip()
         try:
             params = parse_params(job, text.encode())
-            outcome = await runner.trigger(job, force=True, params=params, wait=False, source="ui")
         except InvalidTrigger as exc:
             raise Refused(422, f"Invalid params: {exc}") from None
         except InvalidInput as exc:
             raise Refused(422, f"Invalid params: {exc.reason}") from None
+        if fields.get("confirm") != "yes":
+            # A forced run of a scheduled or paused job is not the slot's idempotent run: it
+            # runs even if the slot succeeded, or the job is paused. A page asks first (a
+            # form, so it works without JavaScript); an on-demand job's run needs no asking.
+            async with db.connection() as conn, ops.reading(conn):
+                [row] = (await ops.jobs(conn, registry, only=name)).jobs
+            if job.schedule is not None or row.paused is not None:
+                return page(request, "confirm.html", row=row, params_text=text)
+        try:
+            outcome = await runner.trigger(job, force=True, params=params, wait=False, source="ui")
+        except InvalidTrigger as exc:
+            raise Refused(422, f"Invalid params: {exc}") from None
         status, _ = answer(outcome)
         async with db.connection() as conn, ops.reading(conn):
             await session.record(

@@ -4,6 +4,7 @@ One mark per run at its start, as wide as its duration (at least a hairline) and
 the log of its duration, coloured by outcome (a CSS class). The schedule's slots in the
 window are drawn as ticks below the axis; a slot in the past with no run for it is a missed
 slot, drawn as a hollow marker, so a gap in the marks above is a gap the schedule shows too.
+Slots before the database first saw the job are not missed: its history starts there.
 """
 
 from __future__ import annotations
@@ -62,9 +63,16 @@ class Timeline:
 
 
 def build(
-    job: Job, runs: list[RunView], now: datetime, days: float, *, complete: bool = True
+    job: Job,
+    runs: list[RunView],
+    now: datetime,
+    days: float,
+    *,
+    seen: datetime | None,
+    complete: bool = True,
 ) -> Timeline:
-    """`runs`: the job's runs in the window, newest first; `complete=False` when they are only
+    """`runs`: the job's runs in the window, newest first; `seen`: when the database first saw
+    the job (None: never, so nothing is missed yet); `complete=False` when the runs are only
     the newest of them (a capped query): slots older than the oldest run given are then not
     called missed, since their runs may simply not have been fetched."""
     start = now - timedelta(days=days)
@@ -115,7 +123,13 @@ def build(
             grace = timedelta(seconds=job.grace)
             known_from = start if complete or not runs else min(r.started_at for r in runs)
             for tick in ticks:
-                missed = tick not in covered and tick + grace < now and tick >= known_from
+                missed = (
+                    tick not in covered
+                    and tick + grace < now
+                    and tick >= known_from
+                    and seen is not None
+                    and tick >= seen
+                )
                 line.missed += missed
                 label = tick.strftime("%Y-%m-%d %H:%M")
                 line.slots.append(

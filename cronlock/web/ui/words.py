@@ -29,6 +29,11 @@ def _days(field: str) -> str | None:
     return f"days of week {field}"
 
 
+def counted(n: int, noun: str) -> str:
+    """`n` and its noun, singular for one: "1 missed slot", "2 runs"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def schedule(expr: str | None) -> str:
     """A cron expression in words where its shape is a common one, else the expression."""
     if expr is None:
