@@ -39,7 +39,7 @@ from cronlock.errors import DatabaseUnavailable
 from cronlock.ops.views import reading
 from cronlock.web.answers import Refused as NotRunning
 from cronlock.web.auth import route_path
-from cronlock.web.ui import history, items, pages, schedules, session
+from cronlock.web.ui import actions, history, items, pages, schedules, session
 from cronlock.web.ui.session import NO_STORE, SECURITY_HEADERS, Session
 
 if TYPE_CHECKING:
@@ -166,6 +166,7 @@ def _pages() -> FastAPI:
     )
     app.include_router(pages.router)
     app.include_router(schedules.router)
+    app.include_router(actions.router)
     app.include_router(items.router)
     app.include_router(history.router)
     return app
