@@ -400,6 +400,10 @@ FROM (
 ) AS held
 WHERE s.job = held.job AND s.key = held.key
 """
+# Under a retry's lock: the key's schedule as it is now (cronlock/core/runner.py `_decide_retry`).
+CURRENT_SQL = """
+SELECT schedule, every, tz, paused FROM {schema}.schedules WHERE job = $1 AND key = $2
+"""
 STATS_SQL = """
 SELECT j.job, count(s.key) AS schedules, count(*) FILTER (WHERE s.paused) AS paused,
        count(*) FILTER (WHERE NOT s.paused AND s.due_at <= now()) AS due,
@@ -607,6 +611,22 @@ async def advance(conn: Conn, schema: str, planned: Planned) -> bool:
         planned.next_due_at,
     )
     return status.endswith(" 1")
+
+
+@dataclass(frozen=True)
+class Current:
+    """A key's schedule as a retry of one of its failed slots sees it."""
+
+    slots: Slots
+    paused: bool
+
+
+async def current(conn: Conn, schema: str, job: str, key: str) -> Current | None:
+    """The key's schedule now (None: removed), for a retry deciding under the key's lock."""
+    r = await conn.fetchrow(qualify(CURRENT_SQL, schema), job, key)
+    if r is None:
+        return None
+    return Current(slots_of(r["schedule"], r["every"], r["tz"]), r["paused"])
 
 
 async def stats(conn: Conn, schema: str, jobs: Sequence[Job]) -> dict[str, dict[str, int]]:
