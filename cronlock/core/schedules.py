@@ -404,6 +404,19 @@ WHERE s.job = held.job AND s.key = held.key
 CURRENT_SQL = """
 SELECT schedule, every, tz, paused FROM {schema}.schedules WHERE job = $1 AND key = $2
 """
+# The alert loop's (cronlock/delivery/alerts.py): a job's keys due for longer than its grace, the
+# most overdue first, and how many, from the due end of `schedules_due` (a healthy deployment
+# has none there, so both read next to nothing).
+LATE_KEYS_SQL = """
+SELECT key, next_at, due_at FROM {schema}.schedules
+WHERE due_at <= now() - make_interval(secs => $2) AND NOT paused AND job = $1
+ORDER BY due_at
+LIMIT $3
+"""
+LATE_COUNT_SQL = """
+SELECT count(*) FROM {schema}.schedules
+WHERE due_at <= now() - make_interval(secs => $2) AND NOT paused AND job = $1
+"""
 STATS_SQL = """
 SELECT j.job, count(s.key) AS schedules, count(*) FILTER (WHERE s.paused) AS paused,
        count(*) FILTER (WHERE NOT s.paused AND s.due_at <= now()) AS due,
@@ -627,6 +640,21 @@ async def current(conn: Conn, schema: str, job: str, key: str) -> Current | None
     if r is None:
         return None
     return Current(slots_of(r["schedule"], r["every"], r["tz"]), r["paused"])
+
+
+async def late_keys(conn: Conn, schema: str, job: Job, limit: int) -> list[dict[str, Any]]:
+    """At most `limit` of `job`'s keys due (not paused) for longer than its grace, the most
+    overdue first: `key`, `slot` (the tick it waits for) and `due_at`."""
+    rows = await conn.fetch(qualify(LATE_KEYS_SQL, schema), job.name, job.grace, limit)
+    return [
+        {"key": r["key"], "slot": r["next_at"].isoformat(), "due_at": r["due_at"].isoformat()}
+        for r in rows
+    ]
+
+
+async def late_count(conn: Conn, schema: str, job: Job) -> int:
+    """How many of `job`'s keys are due (not paused) for longer than its grace."""
+    return int(await conn.fetchval(qualify(LATE_COUNT_SQL, schema), job.name, job.grace))
 
 
 async def stats(conn: Conn, schema: str, jobs: Sequence[Job]) -> dict[str, dict[str, int]]:
