@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 
 from cronlock import Cronlock, JobDefinitionError
@@ -19,6 +20,7 @@ from cronlock.core.jobs import define
 from cronlock.settings import Settings
 from tests.dynamic_jobs import Report
 from tests.lease_jobs import LEASE_SETTINGS
+from tests.support import auth_headers
 from tests.support.asgi import StartApp
 from tests.test_schedules import EFFECTS_SQL
 from tests.util import wait_for
@@ -184,3 +186,22 @@ async def test_lease_mode_dynamic_runs(
     row = await cron.schedules.get(db, "dyn-lease", 2)
     assert row is not None
     assert row.next_at > max(s for k, s in found if k == "2")
+
+
+async def test_a_dynamic_job_takes_no_backfill(
+    start_app: StartApp, client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """`slot=` on a trigger of a dynamic job is a 422 naming the slot (its slots are its keys'
+    rows', run by the dispatcher and the retry loop), and nothing is run."""
+    app = await start_app("a", cron_jobs=JOBS, **LEASE_SETTINGS)
+    answer = await client.post(
+        f"{app.url}/cron/dyn-retry",
+        params={"slot": "2026-01-01T00:00:00Z"},
+        json={"tenant_id": 1},
+        headers=auth_headers(),
+    )
+    assert answer.status_code == 422, answer.text
+    detail = answer.json()["detail"][0]
+    assert detail["loc"][-1] == "slot"
+    assert "is dynamic" in detail["msg"]
+    assert await db.fetchval("SELECT count(*) FROM cronlock.runs") == 0
