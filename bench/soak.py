@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.support.faults import start_cluster
 from tests.support.postgres import ScratchPostgres
 from tests.support.provider import Provider
-from tests.support.soak import soak, soak_env
+from tests.support.soak import SOAK_POSTGRES_SETTINGS, soak, soak_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     seconds = args.minutes * 60
     root = Path(tempfile.mkdtemp(prefix="cronlock-bench-soak-"))
-    server = ScratchPostgres(root / "pg", settings={"max_connections": "300"})
+    server = ScratchPostgres(root / "pg", settings=SOAK_POSTGRES_SETTINGS)
     began = time.monotonic()
     try:
         server.start()

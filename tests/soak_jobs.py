@@ -92,6 +92,22 @@ async def soak_minutely(ctx: JobContext) -> int:
     return 1
 
 
+# --- dynamic schedules ---------------------------------------------------------------------
+
+
+class Tenant(BaseModel):
+    tenant: str = Field(min_length=1, max_length=50)
+    seconds: float = Field(default=0.0, ge=0, le=5)
+
+
+@job("soak-dynamic", key="tenant", params=Tenant, schedule="dynamic", timeout=10)
+async def soak_dynamic(ctx: JobContext) -> int:
+    """Each tenant on the schedule its row says, changed all along by the soak's changers
+    (tests/support/soak.py checks every run against the row's history)."""
+    await effect(ctx, ctx.params.seconds)
+    return 1
+
+
 # --- lease mode ----------------------------------------------------------------------------
 
 # Above what the soak's DB_QUERY_TIMEOUT (3 s) and LEASE_MARGIN (1 s) need (cronlock/core/jobs.py

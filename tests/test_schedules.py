@@ -58,8 +58,7 @@ async def noop(ctx: Any) -> None:
         ({"key": "tenant_id", "every": 5}, "drop every= and tz="),
         ({"key": "tenant_id", "tz": "Europe/Berlin"}, "drop every= and tz="),
         ({"key": "tenant_id", "missed": "all"}, "drop catch_up= and missed="),
-        ({"key": "tenant_id", "lease": 30}, "lease="),
-        ({"key": "tenant_id", "retries": 2}, "retries="),
+        ({"key": "tenant_id", "fanout": True}, "does not take fanout="),
     ],
 )
 def test_dynamic_declaration_refused(options: dict[str, Any], words: str) -> None:

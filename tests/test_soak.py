@@ -1,6 +1,6 @@
 """A minute of the randomized soak (tests/support/soak.py): faults every few seconds under
-triggers of every job shape, then every check of the history; `bench/soak.py` runs it for ten
-minutes or more with any seed."""
+triggers of every job shape and dynamic schedules changed all along, then every check of the
+history; `bench/soak.py` runs it for ten minutes or more with any seed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ import pytest
 from tests.support.cluster import Cluster, Instance
 from tests.support.postgres import ScratchPostgres
 from tests.support.provider import Provider
-from tests.support.soak import overlaps, soak, soak_env
+from tests.support.soak import (
+    SOAK_POSTGRES_SETTINGS,
+    dynamic_violations,
+    overlaps,
+    soak,
+    soak_env,
+)
 
 SEED = 16
 SECONDS = 45.0
@@ -27,7 +33,7 @@ SECONDS = 45.0
 def postgres() -> Iterator[ScratchPostgres]:
     """A PostgreSQL of the soak's own: it is restarted and crashed on purpose."""
     root = Path(tempfile.mkdtemp(prefix="cronlock-soak-"))
-    server = ScratchPostgres(root / "pg", settings={"max_connections": "300"})
+    server = ScratchPostgres(root / "pg", settings=SOAK_POSTGRES_SETTINGS)
     server.start()
     try:
         yield server
@@ -49,6 +55,9 @@ async def test_randomized_soak(
     print("\n".join(report.lines()))
     assert sum(report.faults.values()) >= 8, report.faults
     assert report.runs["succeeded"] > 50, report.runs
+    # Dynamic schedules ran amid the faults and their changes (153 runs, 211 changes once).
+    assert report.dynamic["succeeded"] > 20, report.dynamic
+    assert report.changes[200] > 50, report.changes
     assert report.violations == [], "\n".join(report.lines())
 
 
@@ -71,3 +80,60 @@ def test_the_checker_sees_two_holders_at_once() -> None:
     assert overlaps([*apart, effect(4, "a", 1.9, 3)]) == [
         "soak-keyed/a: runs 2 (i2) and 4 (i4) overlap"
     ]
+
+
+def test_the_checker_sees_runs_the_schedules_did_not_hold() -> None:
+    """The dynamic-schedule checks (a soak with no violation must be able to report each): a
+    slot attempted twice, a run after its row's removal, a run of the replaced schedule's tick,
+    a run while paused, a slot from before the version was set."""
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def at(seconds: float) -> datetime:
+        return t0 + timedelta(seconds=seconds)
+
+    def version(n: int, op: str, committed: float, **row: Any) -> dict[str, Any]:
+        base = {"schedule": None, "every": 2, "tz": "UTC", "paused": False}
+        return {
+            "id": n,
+            "xid": n,
+            "op": op,
+            "key": "t0",
+            "committed": at(committed),
+            "tx_now": at(committed - 0.01),
+            **base,
+            **row,
+        }
+
+    log = [
+        version(1, "INSERT", 0.5),  # every 2 s: ticks 2, 4, 6 ...
+        version(2, "UPDATE", 10.5, every=3, paused=True),
+        version(3, "UPDATE", 20.5, every=3),  # ticks 21, 24 ...
+        version(4, "DELETE", 30.5),
+    ]
+    n = iter(range(100, 200))
+
+    def run(slot: float, began: float, trigger: str = "scheduled") -> dict[str, Any]:
+        return {
+            "id": next(n),
+            "key": "t0",
+            "slot": at(slot),
+            "status": "succeeded",
+            "trigger": trigger,
+            "started_at": at(began),
+            "finished_at": at(began + 0.2),
+        }
+
+    fine = [run(2, 2.1), run(4, 4.1), run(10, 10.45), run(21, 21.2), run(30, 30.4)]
+    assert dynamic_violations(log, fine, at(60)) == []
+    bad = [
+        run(4, 4.5),  # attempted twice
+        run(32, 32.1),  # after the removal
+        run(12, 12.1),  # paused
+        run(22, 22.1),  # a tick of no version (every 2 s was replaced at 10.5)
+        run(18, 21.0),  # every 3 s's tick, but before that version was set
+        run(6, 6.1, trigger="backfill"),  # not the dispatcher's
+    ]
+    found = dynamic_violations(log, fine + bad, at(60))
+    assert len(found) == 6, found
+    assert any("attempted 2 times" in v for v in found), found
+    assert any("trigger backfill" in v for v in found), found

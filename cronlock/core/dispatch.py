@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,11 +20,21 @@ from cronlock.core.jobs import Job
 from cronlock.core.outcome import Outcome
 from cronlock.core.runner import Runner
 from cronlock.core.schedule import ScheduleError
-from cronlock.core.schedules import ADVANCE_AFTER, CLAIM_SQL, Planned, advance, plan
+from cronlock.core.schedules import (
+    ADVANCE_AFTER,
+    CLAIM_SQL,
+    Planned,
+    advance,
+    compact_counts,
+    plan,
+)
 from cronlock.errors import DATABASE_ERRORS, DatabaseUnavailable, describe
 from cronlock.sql import qualify
 
 log = logging.getLogger("cronlock.schedules")
+
+# Seconds between two foldings of the schedules' kept counts by one dispatcher (migration 0020).
+COMPACT_INTERVAL = 60.0
 
 
 class Dispatcher:
@@ -40,10 +51,14 @@ class Dispatcher:
     async def run(self, stop: asyncio.Event) -> None:
         if not self.jobs:
             return
+        compacted = time.monotonic()
         try:
             while not stop.is_set():
                 wait = self.settings.scheduler_poll_interval
                 try:
+                    if self.runner.db.migrated and time.monotonic() - compacted > COMPACT_INTERVAL:
+                        compacted = time.monotonic()
+                        await self._compact()
                     if self.runner.db.migrated:
                         free = self.settings.scheduler_concurrency - len(self.running)
                         if free > 0 and await self._claim(free) == free:
@@ -94,6 +109,10 @@ class Dispatcher:
             self.running.add(task)
             task.add_done_callback(self._done)
         return len(rows)
+
+    async def _compact(self) -> None:
+        async with self.runner.db.connection() as conn:
+            await compact_counts(conn, self.settings.db_schema)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self.running.discard(task)

@@ -501,12 +501,7 @@ def define(
         raise JobDefinitionError(f"job {name!r}: tolerances must be positive")
     dynamic = schedule == DYNAMIC
     if dynamic:
-        _check_dynamic(name, key, every, tz, catch_up, missed, lease)
-        if retries:
-            raise JobDefinitionError(
-                f"job {name!r}: schedule='dynamic' does not take retries= yet (a failed slot "
-                "is not retried; the next tick runs)"
-            )
+        _check_dynamic(name, key, every, tz, catch_up, missed, fanout)
         schedule = None
     if spread != 0.0 and not (dynamic and 0 <= spread <= MAX_SPREAD):
         raise JobDefinitionError(
@@ -593,10 +588,12 @@ def _check_dynamic(
     tz: str,
     catch_up: bool,
     missed: Missed | None,
-    lease: float | None,
+    fanout: bool,
 ) -> None:
     """What `schedule="dynamic"` cannot be combined with: each key's row has its own schedule
-    and zone, and its own slots (a missed one runs once, the latest: docs/dynamic-schedules.md)."""
+    and zone, and its own slots (a missed one runs once, the latest: docs/dynamic-schedules.md).
+    `retries=` and `lease=` combine: a key's failed slot is retried for that key and slot, and
+    a lease run begins (and its row advances) in one transaction."""
     if key is None:
         raise JobDefinitionError(
             f"job {name!r}: schedule='dynamic' needs key= (the schedules are one per key)"
@@ -611,9 +608,13 @@ def _check_dynamic(
             f"job {name!r}: schedule='dynamic' runs each key's latest due slot once; drop "
             "catch_up= and missed="
         )
-    if lease is not None:
+    if fanout:
+        # The fan-out runner plans and records a run without the dispatcher's claimed row (the
+        # "row still holds this slot" check, the advance in the recording transaction): a
+        # dynamic fan-out would run a claimed slot again every claim timeout. Refused until it does.
         raise JobDefinitionError(
-            f"job {name!r}: schedule='dynamic' does not take lease= yet; run in one transaction"
+            f"job {name!r}: schedule='dynamic' does not take fanout= yet (a fan-out run does "
+            "not advance its key's schedule)"
         )
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import asyncpg
 from pydantic import ValidationError
 
-from cronlock.core import lease, ledger
+from cronlock.core import lease, ledger, schedules
 from cronlock.core.failure import failure_of
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, steps_only
 from cronlock.core.outcome import Kind, Outcome, annotate
@@ -109,6 +109,7 @@ class RunnerParts(Protocol):
         *,
         forced: bool = False,
         first_attempt: bool = False,
+        planned: schedules.Planned | None = None,
     ) -> tuple[str | None, datetime | None]: ...
 
     def finished(
@@ -175,10 +176,14 @@ class LeaseRunner:
         retry_of: ledger.Run | None = None,
         first_attempt: bool = False,
         message_id: str | None = None,
+        planned: schedules.Planned | None = None,
     ) -> Outcome | None:
         """Decide under the (job, key)'s lock, then start the run in the background.
 
         `forced`: an operator's `force=true` (the pause does not stop it).
+        `planned` (a dynamic schedule's claimed row, cronlock/core/schedules.py): decided as the
+        one-transaction runner does, and the row advances in the transaction that begins the
+        run; from then on the run is the lease's (a takeover, a retry), not the row's.
         `takeover_only` (the watcher): take an expired run over, or do nothing (None).
         `retry_of` (cronlock/core/retries.py): the failed attempt this one retries, for its slot;
         its checkpoint comes along, as for any next attempt at a slot."""
@@ -235,6 +240,7 @@ class LeaseRunner:
                             now,
                             forced=forced,
                             first_attempt=first_attempt,
+                            planned=planned,
                         )
                         if skip is not None:
                             return runner.skip(job, skip, slot, trigger, source, key)
@@ -265,6 +271,8 @@ class LeaseRunner:
                             same_run=False,
                             message_id=message_id,
                         )
+                        if planned is not None:
+                            await schedules.advance(conn, schema, planned)
                     left = (begun.deadline_at - now).total_seconds()
         except DRIVER_ERRORS as exc:
             raise translate(exc, input_from=("body",)) from exc

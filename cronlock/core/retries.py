@@ -14,6 +14,9 @@ through the runner like any trigger (the backfill path: its own slot, even after
 tick), and under the job's lock the runner checks that nobody made this retry already
 (`ledger.retried`), so two instances never make the same attempt twice.
 
+A dynamic job's (cronlock/core/schedules.py) failed slot is retried for its key and slot, and only
+while the key's schedule still has that slot (the runner's `_decide_retry`, under the key's lock).
+
 Lease runs (cronlock/core/lease.py) end the same ways and are retried by the same path: `due` and
 `run` take any `ledger.Run` whose status is final; the lease runner only has to accept `retry_of`.
 """
@@ -80,7 +83,7 @@ async def pending(
     jobs = {
         name: j
         for name, j in registry.items()
-        if j.retries > 0 and j.schedule is not None and job in (None, name)
+        if j.retries > 0 and (j.schedule is not None or j.dynamic) and job in (None, name)
     }
     if not jobs:
         return {}

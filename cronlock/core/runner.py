@@ -29,6 +29,7 @@ from cronlock.core.fanout_runner import FanoutRunner
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, call
 from cronlock.core.lease_runner import LeaseRunner
 from cronlock.core.outcome import Kind, Outcome, annotate
+from cronlock.core.schedule import ScheduleError
 from cronlock.db.lock import LockKey, lock_text, probe, reset_session, try_lock, verify_keys
 from cronlock.db.orm import SessionFactory, Sessions
 from cronlock.db.pool import Conn, Database, deadline, terminate
@@ -175,7 +176,7 @@ class Runner:
             else "scheduled"
         )
         if slot is not None:
-            self._check_backfill_slot(job, slot, force)
+            self._check_backfill_slot(job, slot, force, retry=retry_of is not None)
         # A keyed job's params were validated (cronlock/core/jobs.py `parse_params`), its key with
         # them.
         key = job.key_of(params)
@@ -218,6 +219,7 @@ class Runner:
                     retry_of=retry_of,
                     first_attempt=first_attempt,
                     message_id=message_id,
+                    planned=planned,
                 )
                 assert started is not None
                 # An accepted run is the lease runner's now: it clears `local` at its end.
@@ -326,9 +328,21 @@ class Runner:
             self.probe_keys = None
         self._keys_checked = True
 
-    def _check_backfill_slot(self, job: Job, slot: datetime, force: bool) -> None:
+    def _check_backfill_slot(self, job: Job, slot: datetime, force: bool, retry: bool) -> None:
         if force:
             raise InvalidTrigger("force and slot cannot be combined", ("slot",))
+        if job.dynamic and retry:
+            # A key's failed slot, a tick of the key's schedule row: checked under its lock
+            # (`_decide_retry`), where the row is read.
+            if slot.tzinfo is None:
+                raise InvalidTrigger("slot needs a time zone offset", ("slot",))
+            return
+        if job.dynamic:
+            raise InvalidTrigger(
+                f"job {job.name!r} is dynamic: its slots are its keys' schedules, run by the "
+                "built-in scheduler; there is no slot to backfill",
+                ("slot",),
+            )
         if job.schedule is None:
             raise InvalidTrigger(
                 f"job {job.name!r} has no schedule: there is no slot to backfill", ("slot",)
@@ -502,6 +516,10 @@ class Runner:
             return "paused", None
         if planned is not None:
             return await self._decide_planned(conn, job, planned, now)
+        if job.dynamic and trigger == "backfill":
+            assert backfill is not None
+            assert key is not None
+            return await self._decide_retry(conn, job, key, backfill, now)
         if job.schedule is None:
             return None, None
         if trigger == "backfill":
@@ -546,6 +564,40 @@ class Runner:
         late = now - planned.start_at
         if job.max_lateness is not None and late > timedelta(seconds=job.max_lateness):
             return "too late", slot
+        return None, slot
+
+    async def _decide_retry(
+        self, conn: Conn, job: Job, key: str, slot: datetime, now: datetime
+    ) -> tuple[str | None, datetime | None]:
+        """A retry of a dynamic key's failed slot (the only backfill a dynamic job takes), under
+        the key's lock: only while the key still has a schedule, not paused, of which the slot
+        is a tick. A schedule removed, or changed so that the slot is none of its ticks, runs
+        nothing more of the old one; a paused one waits (the retry loop comes back)."""
+        schema = self.settings.db_schema
+        try:
+            row = await schedules.current(conn, schema, job.name, key)
+            tick = row is not None and row.slots.is_tick(slot)
+        except (ScheduleError, OverflowError, ValueError):  # a row written by hand
+            row, tick = None, False
+        if row is None:
+            raise InvalidTrigger(
+                f"key {key!r} of {job.name!r} has no schedule any more: its slot is not retried",
+                ("slot",),
+            )
+        if row.paused:
+            return "paused", slot
+        if not tick:
+            raise InvalidTrigger(
+                f"{slot.isoformat()} is no tick of key {key!r}'s schedule any more: not retried",
+                ("slot",),
+            )
+        if (now - slot).total_seconds() > self.settings.backfill_window:
+            raise InvalidTrigger(
+                f"slot is older than the backfill window ({self.settings.backfill_window} s)",
+                ("slot",),
+            )
+        if await ledger.already_done(conn, schema, job.name, slot, key):
+            return "already done", slot
         return None, slot
 
     async def _finish(self, lease: _Lease, source: str) -> Outcome:

@@ -28,6 +28,7 @@ is), and their validation must be the one the SQL's invariants assume.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -44,8 +45,9 @@ from pydantic import ValidationError
 
 from cronlock.core.jobs import Job, Registry, key_text
 from cronlock.core.schedule import Interval, Schedule, ScheduleError, Slots
+from cronlock.db.lock import internal_lock
 from cronlock.db.pool import Conn
-from cronlock.errors import InvalidSchedule
+from cronlock.errors import DATABASE_ERRORS, InvalidSchedule
 from cronlock.inputs import json_problem, text_problem
 from cronlock.sql import qualify
 
@@ -325,10 +327,11 @@ _COLUMNS = (
     "s.next_at, s.due_at, s.version, s.created_at, s.updated_at"
 )
 NOW_SQL = "SELECT now() AS now"
+# SCHEDULES_MAX: the kept counts (migration 0020), not a count of the rows.
 COUNT_SQL = """
-SELECT count(*) AS n, EXISTS (
+SELECT coalesce(sum(schedules), 0) AS n, EXISTS (
     SELECT 1 FROM {schema}.schedules WHERE job = $1 AND key = $2) AS present
-FROM {schema}.schedules
+FROM {schema}.schedule_counts
 """
 SET_SQL = f"""
 INSERT INTO {{schema}}.schedules AS s
@@ -400,15 +403,55 @@ FROM (
 ) AS held
 WHERE s.job = held.job AND s.key = held.key
 """
-STATS_SQL = """
-SELECT j.job, count(s.key) AS schedules, count(*) FILTER (WHERE s.paused) AS paused,
-       count(*) FILTER (WHERE NOT s.paused AND s.due_at <= now()) AS due,
-       count(*) FILTER (WHERE NOT s.paused AND s.due_at <= now() - make_interval(secs => j.grace))
-           AS late
-FROM unnest($1::text[], $2::float8[]) AS j(job, grace)
-LEFT JOIN {schema}.schedules AS s ON s.job = j.job
-GROUP BY j.job
+# Under a retry's lock: the key's schedule as it is now (cronlock/core/runner.py `_decide_retry`).
+CURRENT_SQL = """
+SELECT schedule, every, tz, paused FROM {schema}.schedules WHERE job = $1 AND key = $2
 """
+# The alert loop's (cronlock/delivery/alerts.py): a job's keys due for longer than its grace, the
+# most overdue first, and how many, from the due end of `schedules_due` (a healthy deployment
+# has none there, so both read next to nothing).
+LATE_KEYS_SQL = """
+SELECT key, next_at, due_at FROM {schema}.schedules
+WHERE due_at <= now() - make_interval(secs => $2) AND NOT paused AND job = $1
+ORDER BY due_at
+LIMIT $3
+"""
+LATE_COUNT_SQL = """
+SELECT count(*) FROM {schema}.schedules
+WHERE due_at <= now() - make_interval(secs => $2) AND NOT paused AND job = $1
+"""
+# Schedules and paused from the kept counts (migration 0020: a few rows per job); due and late
+# from the due end of `schedules_due`, which is what is due and nothing more.
+STATS_SQL = """
+SELECT j.job, coalesce(c.schedules, 0) AS schedules, coalesce(c.paused, 0) AS paused,
+       coalesce(c.deltas, 0) AS deltas,
+       (SELECT count(*) FROM {schema}.schedules AS s
+        WHERE s.due_at <= now() AND NOT s.paused AND s.job = j.job) AS due,
+       (SELECT count(*) FROM {schema}.schedules AS s
+        WHERE s.due_at <= now() - make_interval(secs => j.grace) AND NOT s.paused
+          AND s.job = j.job) AS late
+FROM unnest($1::text[], $2::float8[]) AS j(job, grace)
+LEFT JOIN LATERAL (
+    SELECT sum(k.schedules) AS schedules, sum(k.paused) AS paused, count(*) AS deltas
+    FROM {schema}.schedule_counts AS k WHERE k.job = j.job
+) AS c ON true
+"""
+# Fold the counts' deltas into one row per job. Safe beside the triggers' appends (rows
+# appended meanwhile are not in the DELETE's snapshot, so they stay) and beside another
+# compaction (its deleted rows are skipped once it commits); skipped while one runs.
+COMPACT_SQL = """
+WITH lock AS (
+    SELECT pg_try_advisory_xact_lock(hashtextextended($1, $2)) AS got
+), gone AS (
+    DELETE FROM {schema}.schedule_counts WHERE (SELECT got FROM lock)
+    RETURNING job, schedules, paused
+)
+INSERT INTO {schema}.schedule_counts (job, schedules, paused)
+SELECT job, sum(schedules), sum(paused) FROM gone GROUP BY job
+HAVING sum(schedules) <> 0 OR sum(paused) <> 0
+"""
+# More delta rows than this for a job, and `stats` compacts them first.
+COMPACT_ABOVE = 1000
 
 
 def _row(r: Mapping[str, Any]) -> Row:
@@ -609,13 +652,53 @@ async def advance(conn: Conn, schema: str, planned: Planned) -> bool:
     return status.endswith(" 1")
 
 
+@dataclass(frozen=True)
+class Current:
+    """A key's schedule as a retry of one of its failed slots sees it."""
+
+    slots: Slots
+    paused: bool
+
+
+async def current(conn: Conn, schema: str, job: str, key: str) -> Current | None:
+    """The key's schedule now (None: removed), for a retry deciding under the key's lock."""
+    r = await conn.fetchrow(qualify(CURRENT_SQL, schema), job, key)
+    if r is None:
+        return None
+    return Current(slots_of(r["schedule"], r["every"], r["tz"]), r["paused"])
+
+
+async def late_keys(conn: Conn, schema: str, job: Job, limit: int) -> list[dict[str, Any]]:
+    """At most `limit` of `job`'s keys due (not paused) for longer than its grace, the most
+    overdue first: `key`, `slot` (the tick it waits for) and `due_at`."""
+    rows = await conn.fetch(qualify(LATE_KEYS_SQL, schema), job.name, job.grace, limit)
+    return [
+        {"key": r["key"], "slot": r["next_at"].isoformat(), "due_at": r["due_at"].isoformat()}
+        for r in rows
+    ]
+
+
+async def late_count(conn: Conn, schema: str, job: Job) -> int:
+    """How many of `job`'s keys are due (not paused) for longer than its grace."""
+    return int(await conn.fetchval(qualify(LATE_COUNT_SQL, schema), job.name, job.grace))
+
+
 async def stats(conn: Conn, schema: str, jobs: Sequence[Job]) -> dict[str, dict[str, int]]:
     """Per dynamic job: its schedules, paused, due now, and late (due for longer than the job's
     grace: the dispatchers are not keeping up, or none is running)."""
-    rows = await conn.fetch(
-        qualify(STATS_SQL, schema), [j.name for j in jobs], [j.grace for j in jobs]
-    )
+    names, graces = [j.name for j in jobs], [j.grace for j in jobs]
+    rows = await conn.fetch(qualify(STATS_SQL, schema), names, graces)
+    if any(r["deltas"] > COMPACT_ABOVE for r in rows):
+        # Nobody compacted for a while (no dispatcher running): this reader does, or leaves it.
+        with contextlib.suppress(*DATABASE_ERRORS):
+            await compact_counts(conn, schema)
     return {r["job"]: {k: int(r[k]) for k in ("schedules", "paused", "due", "late")} for r in rows}
+
+
+async def compact_counts(conn: Conn, schema: str) -> None:
+    """Fold the kept counts' deltas into one row per job (the dispatchers, now and then). Its
+    lock's text names the schema, so namespace 0 (as the migrations' lock)."""
+    await conn.execute(qualify(COMPACT_SQL, schema), internal_lock(schema, "schedule-counts"), 0)
 
 
 # --- dispatching ---------------------------------------------------------------------------------

@@ -22,9 +22,10 @@ id.timestamp.body>` with ALERT_WEBHOOK_SECRET, signed afresh at each attempt so 
 replay window accepts a late retry.
 
 Events: `failed`, `timed_out` (a run ended so), `recovered` (a success after one of those),
-`overdue` (once per job and slot), `paused_too_long` (once per pause), `lease_lost` (a lease
-attempt closed `abandoned` by its takeover, cronlock/core/lease.py). Pings: start, success and
-failure of every run.
+`overdue` (once per job and slot; for a dynamic job, once per episode: see `_raise_dynamic`),
+`overdue_resolved` (a dynamic job's episode over), `paused_too_long` (once per pause),
+`lease_lost` (a lease attempt closed `abandoned` by its takeover, cronlock/core/lease.py). Pings:
+start, success and failure of every run.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from cronlock.core import ledger, pause
+from cronlock.core import ledger, pause, schedules
 from cronlock.core.due import due_slot, is_overdue
 from cronlock.core.jobs import Job, Registry
+from cronlock.db.lock import internal_lock
 from cronlock.db.pool import Conn
 from cronlock.errors import DATABASE_ERRORS, describe
 from cronlock.settings import Settings, SettingsError
@@ -260,7 +262,9 @@ async def _raise_state(
                     settings.alert_retry_window,
                 )
             continue  # a paused job is never overdue
-        if job.key is None and is_overdue(job, now, succeeded.get(job.name), seen.get(job.name)):
+        if job.dynamic:
+            await _raise_dynamic(conn, settings, job, hook, now)
+        elif job.key is None and is_overdue(job, now, succeeded.get(job.name), seen.get(job.name)):
             slot = due_slot(job, now)
             assert slot is not None
             await _queue(
@@ -274,6 +278,65 @@ async def _raise_state(
                 payload("overdue", job.name, now, slot=slot.isoformat()),
                 settings.alert_retry_window,
             )
+
+
+# A dynamic job's overdue keys: one alert per job and episode (from the first look that finds a
+# key due for longer than the job's grace to the first that finds none), naming how many and
+# the WORST_KEYS most overdue. Not one per key: a million keys late at once (every dispatcher
+# down) is one problem, and a million webhooks would bury it. The episode's state is its newest
+# row in the alerts table, read and written under a lock per job, so instances looking at once
+# raise it once.
+WORST_KEYS = 10
+OVERDUE_KEYS_LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtextextended($1, $2))"
+OVERDUE_KEYS_STATE_SQL = """
+SELECT event, msg_id FROM {schema}.alerts
+WHERE job = $1 AND kind = 'webhook' AND event IN ('overdue', 'overdue_resolved')
+ORDER BY id DESC
+LIMIT 1
+"""
+
+
+async def _raise_dynamic(
+    conn: Conn, settings: Settings, job: Job, hook: str, now: datetime
+) -> None:
+    """`overdue` when a key of dynamic `job` is late and no episode is open; `overdue_resolved`
+    when none is and one is. In the alert loop's transaction (the lock ends with it)."""
+    schema = settings.db_schema
+    await conn.execute(
+        OVERDUE_KEYS_LOCK_SQL,
+        internal_lock(schema, f"overdue-keys:{job.name}"),
+        settings.lock_namespace,
+    )
+    worst = await schedules.late_keys(conn, schema, job, WORST_KEYS)
+    last = await conn.fetchrow(qualify(OVERDUE_KEYS_STATE_SQL, schema), job.name)
+    opened = last["msg_id"].rpartition(":keys:")[2] if last and last["event"] == "overdue" else None
+    if worst and opened is None:
+        since = now.isoformat()
+        count = await schedules.late_count(conn, schema, job)
+        body = payload("overdue", job.name, now, keys_overdue=count, worst=worst, grace=job.grace)
+        await _queue(
+            conn,
+            settings,
+            f"overdue:{job.name}:keys:{since}",
+            "webhook",
+            "overdue",
+            job.name,
+            hook,
+            body,
+            settings.alert_retry_window,
+        )
+    elif not worst and opened is not None:
+        await _queue(
+            conn,
+            settings,
+            f"overdue_resolved:{job.name}:keys:{opened}",
+            "webhook",
+            "overdue_resolved",
+            job.name,
+            hook,
+            payload("overdue_resolved", job.name, now, overdue_since=opened),
+            settings.alert_retry_window,
+        )
 
 
 # --- delivering -------------------------------------------------------------------------------

@@ -13,24 +13,35 @@ decisions, not the same interleaving. `tests/test_soak.py` runs a minute of it,
 Adding a shape is one line in SHAPES, plus its job in tests/soak_jobs.py if it needs its own:
 a job writing one `soak_effects` row per run (`effect`) is checked like the others; lease jobs
 write one `soak_lease_items` row per step and are checked per attempt chain.
+
+Dynamic schedules: the instances run the built-in scheduler, and a changer sets, pauses and
+removes the schedules of `soak-dynamic`'s tenants over HTTP all along (`change_loop`). Every
+committed version of every row is logged by a trigger of the soak's own (`soak_schedule_log`,
+with its transaction's commit time: the server runs with track_commit_timestamp), and the
+checker holds each run against that history (`dynamic_violations`): each (key, slot) attempted
+at most once; each run's slot a tick, after its setting, of a version of the row that was
+committed, not paused, when the run decided (none for a removed row); when the soak ends the
+rows are removed, and nothing runs after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
 import httpx
 
+from cronlock.core.schedules import slots_of
 from tests.soak_jobs import EFFECTS_SQL, LEASE_ITEMS_SQL
 from tests.support.cluster import Cluster
 from tests.support.delivery import API_KEY
@@ -65,6 +76,14 @@ SHAPES: list[Shape] = [
     Shape("soak-lease", lambda rng: {"n": rng.randrange(3, 12)}, effect=False),  # 202, steps
 ]
 SLOTTED = "soak-minutely"  # backfilled slot by slot by its own workers
+DYNAMIC = "soak-dynamic"  # dispatched from its rows, changed by `change_loop`
+TENANTS = [f"t{i}" for i in range(8)]
+# What a schedule change may be answered: done (200), nothing to remove (404), the database or
+# PgBouncer away (503), no answer, or nginx's own 502 for an instance killed under it.
+CHANGE_ANSWERS = {0, 200, 404, 502, 503}
+# How much earlier than a run's start a newer version's commit time may be while the run still
+# legitimately read the older one (a commit's timestamp is taken just before it is visible).
+COMMIT_SKEW = 0.1
 FAULTS = (
     "kill-instance",
     "freeze-instance",
@@ -92,7 +111,15 @@ def soak_env(provider: Provider) -> dict[str, str]:
         "OUTBOX_BACKOFF_MAX": "2",
         # Faults for a minute must not exhaust a row's attempts.
         "OUTBOX_MAX_ATTEMPTS": "100",
+        # Dynamic schedules are dispatched by the built-in scheduler (code schedules are
+        # ticked by it too: their slots stay once-only, checked as before).
+        "SCHEDULER_ENABLED": "true",
+        "SCHEDULER_POLL_INTERVAL": "0.2",
     }
+
+
+# Settings the soak's PostgreSQL needs: commit times, for the schedules' history.
+SOAK_POSTGRES_SETTINGS = {"max_connections": "300", "track_commit_timestamp": "on"}
 
 
 @dataclass
@@ -104,6 +131,8 @@ class Report:
     triggers: int = 0
     runs: Counter[str] = field(default_factory=Counter)
     emails: int = 0
+    changes: Counter[int] = field(default_factory=Counter)  # schedule changes by answer
+    dynamic: Counter[str] = field(default_factory=Counter)  # soak-dynamic's runs by status
     violations: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -115,18 +144,67 @@ class Report:
             + ")",
             "runs: " + ", ".join(f"{k} {v}" for k, v in sorted(self.runs.items())),
             f"emails delivered: {self.emails}",
+            "schedule changes: "
+            + ", ".join(f"{k or 'no answer'}: {v}" for k, v in sorted(self.changes.items())),
+            "dynamic runs: " + ", ".join(f"{k} {v}" for k, v in sorted(self.dynamic.items())),
             f"violations: {len(self.violations)}",
             *(f"  {v}" for v in self.violations),
         ]
 
 
+# Every committed version of a schedule row (an insert, a set or pause: its version grows; a
+# delete), with its transaction, whose commit time the checker reads. The soak's own table and
+# trigger, in its own database: the product's code knows nothing of them.
+SCHEDULE_LOG_SQL = """
+CREATE TABLE IF NOT EXISTS public.soak_schedule_log (
+    id       bigserial PRIMARY KEY,
+    op       text NOT NULL,
+    job      text NOT NULL,
+    key      text NOT NULL,
+    version  bigint NOT NULL,
+    schedule text,
+    every    integer,
+    tz       text,
+    paused   boolean,
+    next_at  timestamptz,
+    tx_now   timestamptz NOT NULL,
+    xid      bigint NOT NULL
+);
+CREATE OR REPLACE FUNCTION public.soak_schedule_log() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        INSERT INTO public.soak_schedule_log (op, job, key, version, tx_now, xid)
+        VALUES ('DELETE', OLD.job, OLD.key, OLD.version, now(), txid_current());
+    ELSE
+        INSERT INTO public.soak_schedule_log
+            (op, job, key, version, schedule, every, tz, paused, next_at, tx_now, xid)
+        VALUES (TG_OP, NEW.job, NEW.key, NEW.version, NEW.schedule, NEW.every, NEW.tz,
+                NEW.paused, NEW.next_at, now(), txid_current());
+    END IF;
+    RETURN NULL;
+END
+$$;
+DROP TRIGGER IF EXISTS soak_schedule_log_rows ON cronlock.schedules;
+DROP TRIGGER IF EXISTS soak_schedule_log_versions ON cronlock.schedules;
+CREATE TRIGGER soak_schedule_log_rows AFTER INSERT OR DELETE ON cronlock.schedules
+    FOR EACH ROW EXECUTE FUNCTION public.soak_schedule_log();
+CREATE TRIGGER soak_schedule_log_versions AFTER UPDATE ON cronlock.schedules
+    FOR EACH ROW WHEN (OLD.version IS DISTINCT FROM NEW.version)
+    EXECUTE FUNCTION public.soak_schedule_log();
+"""
+
+
 async def prepare(dsn: str) -> None:
-    """The effects table and the digest's users (the cluster has migrated the database)."""
+    """The effects tables, the schedules' log and the digest's users (the cluster has migrated
+    the database)."""
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute(EFFECTS_SQL)
         await conn.execute(LEASE_ITEMS_SQL)
-        await conn.execute("TRUNCATE soak_effects, soak_lease_items")
+        await conn.execute(SCHEDULE_LOG_SQL)
+        await conn.execute("DELETE FROM cronlock.schedules")
+        await conn.execute("TRUNCATE soak_effects, soak_lease_items, public.soak_schedule_log")
         await conn.execute(
             "INSERT INTO cronlock_demo.users (email) "
             "SELECT 'soak' || i || '@example.com' FROM generate_series(1, $1) AS i "
@@ -194,6 +272,35 @@ async def client_loop(
         await asyncio.sleep(rng.uniform(0.0, 0.2))
 
 
+async def change(client: httpx.AsyncClient, base: str, rng: random.Random) -> int:
+    """One schedule change of a random tenant over HTTP: set (every 1-3 s, or a cron
+    expression; sometimes paused), or remove. Returns the answer's status (0: none)."""
+    url = f"{base}/cron/jobs/{DYNAMIC}/schedules/{rng.choice(TENANTS)}"
+    try:
+        if rng.random() < 0.15:
+            response = await client.delete(url, headers=AUTH, timeout=10)
+        else:
+            body: dict[str, Any] = (
+                {"every": rng.choice([1, 2, 3])}
+                if rng.random() < 0.8
+                else {"schedule": "* * * * *"}
+            )
+            body["params"] = {"seconds": round(rng.uniform(0, 0.3), 2)}
+            body["paused"] = rng.random() < 0.1
+            response = await client.put(url, headers=AUTH, json=body, timeout=10)
+    except httpx.HTTPError:
+        return 0
+    return response.status_code
+
+
+async def change_loop(
+    client: httpx.AsyncClient, base: str, rng: random.Random, report: Report, stop: float
+) -> None:
+    while time.monotonic() < stop:
+        report.changes[await change(client, base, rng)] += 1
+        await asyncio.sleep(rng.uniform(0.05, 0.3))
+
+
 def heal(cluster: Cluster, postgres: ScratchPostgres) -> None:
     """Everything back up: PostgreSQL, PgBouncer, every instance."""
     bouncer = cluster.pgbouncer
@@ -235,6 +342,14 @@ async def soak(
     stop = start + seconds
     injector = Injector(cluster, postgres, random.Random(seed), report)
     async with httpx.AsyncClient(limits=httpx.Limits(keepalive_expiry=2.0)) as client:
+        for tenant in TENANTS:  # every tenant starts with a schedule, every second
+            response = await client.put(
+                f"{base}/cron/jobs/{DYNAMIC}/schedules/{tenant}",
+                headers=AUTH,
+                json={"every": 1},
+                timeout=10,
+            )
+            report.changes[response.status_code] += 1
         loops = [
             client_loop(client, base, random.Random(seed * 1000 + i), history, stop)
             for i in range(clients)
@@ -245,10 +360,29 @@ async def soak(
             settle_slots(
                 client, base, SLOTTED, backfill, history, workers=1, deadline=stop, pause=pace
             ),
+            change_loop(client, base, random.Random(seed * 1000 + 999), report, stop),
             *loops,
         )
         # Faults stop: everything comes back, the remaining slots are settled.
         await asyncio.to_thread(heal, cluster, postgres)
+        # The tenants' schedules go (logged: nothing may run after), their last runs end.
+        db = await asyncpg.connect(dsn)
+        try:
+            await db.execute("DELETE FROM cronlock.schedules WHERE job = $1", DYNAMIC)
+            deadline = time.monotonic() + 30
+            while await db.fetchval(
+                "SELECT count(*) FROM cronlock.runs WHERE job = $1 AND status = 'running'", DYNAMIC
+            ):
+                # A run whose instance was killed stays `running` until a listing of the jobs
+                # closes it as abandoned (its lock is gone).
+                with contextlib.suppress(httpx.HTTPError):
+                    await client.get(f"{base}/cron/jobs", headers=AUTH, timeout=10)
+                if time.monotonic() > deadline:
+                    report.violations.append(f"{DYNAMIC} runs still running 30 s after removal")
+                    break
+                await asyncio.sleep(0.2)
+        finally:
+            await db.close()
         unsettled = await settle_slots(
             client, base, SLOTTED, backfill, history, workers=4, deadline=time.monotonic() + 30
         )
@@ -329,6 +463,58 @@ async def lease_violations(db: asyncpg.Connection) -> list[str]:
     return found
 
 
+def dynamic_violations(
+    log: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, Any]], now: datetime
+) -> list[str]:
+    """`soak-dynamic`'s runs against its rows' history (`log`: committed versions with their
+    commit time, `committed`): each (key, slot) attempted at most once; each run's slot a tick
+    of a version of its row, not paused, committed before the run decided (before it ended)
+    and not yet replaced when it began (less COMMIT_SKEW), and after that version was set.
+    A removed row has no version: a run that began after the removal committed has none."""
+    found: list[str] = []
+    versions: dict[str, list[Mapping[str, Any]]] = {}
+    for entry in sorted(log, key=lambda e: (e["committed"], e["id"])):
+        chain = versions.setdefault(entry["key"], [])
+        if chain and chain[-1]["xid"] == entry["xid"]:
+            chain[-1] = entry  # one transaction, one committed state: its last
+        else:
+            chain.append(entry)
+    firsts = Counter((r["key"], r["slot"]) for r in runs if r["trigger"] == "scheduled")
+    found += [
+        f"{DYNAMIC}/{k}: slot {s} attempted {n} times" for (k, s), n in firsts.items() if n > 1
+    ]
+    skew = timedelta(seconds=COMMIT_SKEW)
+    for run in runs:
+        if run["trigger"] != "scheduled":
+            found.append(f"{DYNAMIC} run {run['id']}: trigger {run['trigger']}, not the dispatcher")
+            continue
+        chain = versions.get(run["key"], [])
+        decided = run["finished_at"] or now
+        held = False
+        for i, v in enumerate(chain):
+            after = chain[i + 1]["committed"] if i + 1 < len(chain) else None
+            if v["op"] == "DELETE" or v["paused"] or v["committed"] > decided:
+                continue
+            if after is not None and after + skew < run["started_at"]:
+                continue
+            slots = slots_of(v["schedule"], v["every"], v["tz"])
+            if slots.is_tick(run["slot"]) and v["tx_now"] < run["slot"] <= run["started_at"]:
+                held = True
+                break
+        if not held:
+            found.append(
+                f"{DYNAMIC}/{run['key']}: run {run['id']} of slot {run['slot'].isoformat()} "
+                f"(began {run['started_at'].isoformat()}) is held by no version of its row"
+            )
+    return found
+
+
+SCHEDULE_HISTORY_SQL = """
+SELECT l.*, pg_xact_commit_timestamp((l.xid % 4294967296)::text::xid) AS committed
+FROM public.soak_schedule_log AS l WHERE l.job = $1
+"""
+
+
 def overlaps(effects: Iterable[Mapping[str, Any]]) -> list[str]:
     """Two runs of one job (or key) that held the lock at once: each effect's span [started,
     ended] lies inside its run's lock span, so two spans that overlap mean two holders."""
@@ -384,7 +570,7 @@ async def check(
             for rid, job in {(e["run_id"], e["job"]) for e in effects}
             if rid not in succeeded
         ]
-        effect_jobs = {s.job for s in SHAPES if s.effect} | {SLOTTED}
+        effect_jobs = {s.job for s in SHAPES if s.effect} | {SLOTTED, DYNAMIC}
         found += [
             f"succeeded run {r['id']} ({r['job']}) has no effect"
             for r in runs
@@ -416,6 +602,20 @@ async def check(
                 found.append(f"{a.job}: answered {a.status} without a run id: {a.body}")
         found += overlaps(dict(e) for e in effects)
         found += await lease_violations(db)
+        found += [
+            f"schedule change answered {k}" for k in report.changes if k not in CHANGE_ANSWERS
+        ]
+        log = [dict(r) for r in await db.fetch(SCHEDULE_HISTORY_SQL, DYNAMIC)]
+        dynamic = [
+            dict(r)
+            for r in await db.fetch(
+                "SELECT id, key, slot, status, trigger, started_at, finished_at"
+                " FROM cronlock.runs WHERE job = $1",
+                DYNAMIC,
+            )
+        ]
+        report.dynamic = Counter(r["status"] for r in dynamic)
+        found += dynamic_violations(log, dynamic, await db.fetchval("SELECT now()"))
         # Nothing left behind once faults stop.
         deadline = time.monotonic() + 15 + GRACEFUL_SHUTDOWN_TIMEOUT
         while left := await leftovers(db, cluster):
