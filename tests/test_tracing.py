@@ -331,6 +331,12 @@ async def test_nothing_is_traced_unless_configured(
         assert (await client.post(f"{app.url}/cron/traced", headers=headers)).status_code == 200
         assert (await client.post(f"{app.url}/cron/traced-lease", headers=AUTH)).status_code == 202
         assert (await client.post(f"{app.url}/cron/traced-mail", headers=AUTH)).status_code == 200
+
+        async def lease_ended() -> bool:  # before the next app's trigger: not "already running"
+            running = "SELECT count(*) FROM cronlock.runs WHERE job = 'traced-lease'"
+            return bool(await db.fetchval(running + " AND status = 'running'") == 0)
+
+        await wait_for(lease_ended, 10, "the lease run to end")
     assert await db.fetchval("SELECT count(*) FROM cronlock.email_outbox") == 2
     assert await db.fetchval("SELECT count(traceparent) FROM cronlock.email_outbox") == 0
     # The jobs' own spans are their tracer's business: none of cronlock's.

@@ -55,7 +55,10 @@ async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     try:
         with translated():
             here = await _empty_here(conn, settings, sets)
-            elsewhere = [] if here is None else await ledgers_elsewhere(conn, settings)
+            # With --yes the answer is given: no look at the other databases (each look is a
+            # connection to that database, which a pooler may keep open).
+            look = here is not None and not (args.yes and not (args.dry_run or args.sql))
+            elsewhere = await ledgers_elsewhere(conn, settings) if look else []
             warning = None
             if here is not None and elsewhere:
                 others = ", ".join(elsewhere)
@@ -115,11 +118,15 @@ async def _empty_here(
 
 async def ledgers_elsewhere(conn: asyncpg.Connection, settings: Settings) -> list[str]:
     """The other databases of this server whose cronlock schema has its migrations table.
-    One this role cannot enter (or a pooler does not route) is passed over, not an error."""
+    One this role cannot enter (or a pooler does not route) is passed over, not an error.
+
+    Through DATABASE_DIRECT_URL when it is set: a connection PgBouncer makes for a look at a
+    database stays in its pool afterwards (server_idle_timeout), and while it does, that
+    database cannot be dropped or copied as a template."""
     found = []
     for row in await conn.fetch(OTHER_DATABASES_SQL, MAX_DATABASES):
         try:
-            other = await connect(settings, database=row["datname"])
+            other = await connect(settings, settings.database_direct_url, database=row["datname"])
         except PASSED_OVER:
             continue
         try:
