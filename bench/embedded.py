@@ -113,8 +113,11 @@ async def bench(
     server_cpus: str,
     client_cpus: str,
     workdir: Path,
+    host_gc_freeze: bool = False,
 ) -> dict[str, list[Run]]:
     env = instance_env(dsn, secret, DB_POOL_MAX_SIZE=str(max(10, connections + 2)))
+    if host_gc_freeze:
+        env["HOST_GC_FREEZE"] = "1"  # bench/host_app.py: gc.freeze() after its start-up
     instances = {
         app: PinnedInstance(
             f"bench-{app}", env, cpus=server_cpus, dir=workdir / label / app, app_factory=factory
@@ -333,6 +336,7 @@ async def run(args: argparse.Namespace, server: Server) -> dict[str, Any]:
         "server_cpus": args.server_cpus,
         "client_cpus": args.client_cpus,
         "workdir": workdir,
+        "host_gc_freeze": args.host_gc_freeze,
     }
     output: dict[str, Any] = {
         "machine": machine(await server_version(dsn)),
@@ -392,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-cpus", default="1", help="taskset list for uvicorn")
     parser.add_argument("--client-cpus", default="0", help="taskset list for wrk + PostgreSQL")
     parser.add_argument("--pgbouncer", action="store_true", help="also run through PgBouncer")
+    parser.add_argument(
+        "--host-gc-freeze", action="store_true", help="the host app calls gc.freeze() after start"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the raw figures here")
     args = parser.parse_args(argv)
     with postgres() as server:

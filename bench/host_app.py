@@ -9,11 +9,17 @@ bench/embedded.py measures against the standalone service (bench/app.py).
     host's own routes (no token: the host's routes are the host's business).
 
 Logging is set up as the standalone service does it (one JSON line per trigger), so that both
-apps pay for the same line. Served with `uvicorn --factory bench.host_app:create_app`; never
-part of the product.
+apps pay for the same line. With HOST_GC_FREEZE=1 its lifespan ends its start-up with
+`gc.collect(); gc.freeze()`, as the standalone service's does (docs/fastapi.md). Served with
+`uvicorn --factory bench.host_app:create_app`; never part of the product.
 """
 
 from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -34,7 +40,16 @@ def create_app() -> FastAPI:
     settings = Settings()
     logs.setup(settings.log_format, settings.log_level)
     cron = Cronlock(settings)
-    app = FastAPI(title="a host app", lifespan=cron.lifespan)
+
+    @contextlib.asynccontextmanager
+    async def frozen(app: FastAPI) -> AsyncIterator[None]:
+        async with cron.lifespan(app):
+            gc.collect()
+            gc.freeze()
+            yield
+
+    freeze = os.environ.get("HOST_GC_FREEZE") == "1"
+    app = FastAPI(title="a host app", lifespan=frozen if freeze else cron.lifespan)
     app.add_middleware(GZipMiddleware, minimum_size=500)
     app.add_middleware(
         CORSMiddleware,
