@@ -8,8 +8,9 @@ rows, sent rows), and a batch table (id, key, bytes, status).
 
 1. **Enqueue**: the daily digest of `--users` users (90 % due) in one transaction
    (cronlock/demo/digest.py's own statement), and one step of the lease variant
-   (cronlock/demo/chunked.py, `--chunks` chunks of 10,000 users, each its own transaction),
-   against the floor doing the same. A fan-out variant does not exist yet.
+   (cronlock/demo/chunked.py, `--chunks` chunks of 10,000 users, each its own transaction)
+   and of the fan-out variant (cronlock/demo/fanout.py, `--chunks` items of 10,000 users by
+   id range, each its own transaction), against the floor doing the same.
 2. **Delivery**: the database's part of delivering `--deliver` of those emails in batches of
    100: claim and freeze into batches (outbox.form_batches), mark each batch sent with one
    provider id per member (outbox.mark_batch), prune them (outbox.prune_sent), against the
@@ -58,6 +59,7 @@ from cronlock.delivery import outbox
 from cronlock.delivery.mailer import Email, batch_bytes
 from cronlock.demo.chunked import CHUNK_SQL
 from cronlock.demo.digest import DIGEST_SQL, SENDER
+from cronlock.demo.fanout import RANGE_SQL
 from cronlock.sql import qualify
 
 JOB = "daily-digest"
@@ -141,6 +143,16 @@ WITH {FLOOR_SLOT_SQL}, chunk AS (
 SELECT count(*) AS queued, max(user_id) AS last_id FROM queued
 """  # noqa: S608
 
+FLOOR_RANGE_SQL = f"""
+WITH {FLOOR_SLOT_SQL}, due AS (
+    UPDATE cronlock_demo.users SET last_digest_at = greatest(now(), $1::timestamptz)
+    WHERE id >= $2 AND id < $3
+      AND digest_enabled AND (last_digest_at IS NULL OR last_digest_at < $1)
+    RETURNING id, email
+), {FLOOR_QUEUED_SQL}
+SELECT count(*) FROM queued
+"""  # noqa: S608
+
 FLOOR_FORM_SELECT = """
 SELECT id, "to", subject, body FROM lean.outbox
 WHERE status = 'pending' AND batch_id IS NULL
@@ -197,6 +209,8 @@ class Run:
     digest: Cost = field(default_factory=Cost)
     chunk_emails: int = 0
     chunk: Cost = field(default_factory=Cost)
+    range_emails: int = 0
+    range: Cost = field(default_factory=Cost)
     delivered: int = 0
     delivery: Cost = field(default_factory=Cost)
     bytes_per_email: float = 0.0
@@ -282,6 +296,32 @@ async def enqueue_chunks(
                 last, total = int(row["last_id"]), total + int(row["queued"])
 
         cost += await measure(conn, step)
+    return total, cost
+
+
+async def enqueue_ranges(
+    conn: asyncpg.Connection, variant: str, slot: datetime, items: int
+) -> tuple[int, Cost]:
+    """`items` items of the fan-out digest (cronlock/demo/fanout.py: users in ranges of
+    10,000 by id), each its own transaction; the items' own bookkeeping (claim, mark) is not
+    counted, as the lease's is not: the floor has none."""
+    total, cost = 0, Cost()
+    for n in range(items):
+        lo, hi = 1 + n * CHUNK, 1 + (n + 1) * CHUNK
+
+        async def item(lo: int = lo, hi: int = hi) -> None:
+            nonlocal total
+            async with conn.transaction():
+                if variant == "floor":
+                    queued = await conn.fetchval(FLOOR_RANGE_SQL, slot, lo, hi)
+                else:
+                    queued = await conn.fetchval(
+                        qualify(RANGE_SQL, SCHEMA), slot, JOB, SENDER, lo, hi
+                    )
+                    await outbox.notify(conn, SCHEMA)
+                total += int(queued)
+
+        cost += await measure(conn, item)
     return total, cost
 
 
@@ -404,6 +444,16 @@ async def run_variant(
             await conn.close()
     finally:
         await drop_database(server, name)
+    # The fan-out variant's items, on a copy of their own.
+    name, slot = await fresh_copy(server, template, variant)
+    try:
+        conn = await asyncpg.connect(server.dsn(name), statement_cache_size=0)
+        try:
+            run.range_emails, run.range = await enqueue_ranges(conn, variant, slot, args.chunks)
+        finally:
+            await conn.close()
+    finally:
+        await drop_database(server, name)
     return run
 
 
@@ -425,6 +475,7 @@ async def run(args: argparse.Namespace, server: Server) -> dict[str, Any]:
             print(
                 f"  round {number} {variant}: digest {result.digest.seconds:.2f} s "
                 f"(cpu {result.digest.cpu:.2f} s), chunks {result.chunk.seconds:.2f} s, "
+                f"items {result.range.seconds:.2f} s, "
                 f"delivery {result.delivery.seconds:.2f} s (cpu {result.delivery.cpu:.2f} s)",
                 file=sys.stderr,
             )
@@ -448,6 +499,7 @@ def report(
     parts: dict[str, Callable[[Run], tuple[Cost, int]]] = {
         "digest, one transaction": lambda r: (r.digest, r.emails),
         f"lease step ({CHUNK:,} users)": lambda r: (r.chunk, r.chunk_emails),
+        f"fan-out item ({CHUNK:,} users)": lambda r: (r.range, r.range_emails),
         "delivery (claim, batch, mark, prune)": lambda r: (r.delivery, r.delivered),
     }
     rows: list[list[Any]] = []
@@ -522,8 +574,6 @@ def report(
     )
     goal_rows = []
     for part in parts:
-        if part.startswith("lease"):
-            continue
         r = ratios[part]["0012"]
         goal_rows.append(
             [
@@ -544,12 +594,12 @@ def report(
         f"\n{args.rounds} interleaved rounds, each variant on a fresh CREATE DATABASE ... "
         f"TEMPLATE copy after a CHECKPOINT. Delivery: the first {args.deliver:,} emails, "
         f"{BATCHES_PER_CLAIM} batches of {BATCH} per claim. Lease: {args.chunks} steps of "
-        f"{CHUNK:,} users. PostgreSQL {version}. Fan-out variant: does not exist yet."
+        f"{CHUNK:,} users; fan-out: {args.chunks} items of {CHUNK:,} users. PostgreSQL {version}."
     )
     return {
         "machine": machine(version),
         "runs": [
-            vars(r) | {k: vars(getattr(r, k)) for k in ("digest", "chunk", "delivery")}
+            vars(r) | {k: vars(getattr(r, k)) for k in ("digest", "chunk", "range", "delivery")}
             for r in runs
         ],
         "ratios": ratios,
