@@ -31,7 +31,7 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -252,8 +252,8 @@ class Phase:
     set_began: datetime | None = None
     set_ended: datetime | None = None
     set_rows: dict[str, tuple[datetime, int]] = field(default_factory=dict)
-    runs: list[asyncpg.Record] = field(default_factory=list)
-    effects: list[asyncpg.Record] = field(default_factory=list)
+    runs: Sequence[Mapping[str, Any]] = field(default_factory=list)
+    effects: Sequence[Mapping[str, Any]] = field(default_factory=list)
     rows: dict[str, tuple[datetime, int]] = field(default_factory=dict)
     waited: float = 0.0
 
@@ -356,12 +356,14 @@ async def observe(dsn: str, phase: Phase, instances: Sequence[Process], kills: i
         await asyncio.sleep(QUIET)
         survivors = [i for i in instances if i.name not in phase.killed]
         await asyncio.to_thread(_stop_all, survivors)
-        phase.runs = await conn.fetch(
+        runs = await conn.fetch(
             "SELECT id, key, slot, status, instance, started_at, attempt, trigger "
             "FROM cronlock.runs WHERE job = $1 ORDER BY id",
             JOB,
         )
-        phase.effects = await conn.fetch("SELECT key, slot, run_id, instance FROM zone_effects")
+        phase.runs = [dict(r.items()) for r in runs]
+        effects = await conn.fetch("SELECT key, slot, run_id, instance FROM zone_effects")
+        phase.effects = [dict(r.items()) for r in effects]
         phase.rows = {
             r["key"]: (r["next_at"], r["version"])
             for r in await conn.fetch(
@@ -458,7 +460,7 @@ def check(phase: Phase) -> Verdict:
         bad.append(f"the schedules were set until {phase.set_ended.isoformat()}, after the tick")
 
     # Runs: only due keys, only at the tick, from the tick to max_lateness after it.
-    succeeded: dict[str, list[asyncpg.Record]] = {}
+    succeeded: dict[str, list[Mapping[str, Any]]] = {}
     for r in phase.runs:
         what = f"run {r['id']} (key {r['key']}, slot {r['slot']}, {r['status']}, {r['instance']})"
         if r["key"] not in due_keys or r["slot"] != tick:
@@ -474,7 +476,7 @@ def check(phase: Phase) -> Verdict:
             bad.append(f"{what}: did not succeed, and was not in flight on a killed instance")
         if r["instance"] in killed and killed_at is not None and r["started_at"] > killed_at:
             bad.append(f"{what}: started after its instance was killed")
-    effects: dict[str, list[asyncpg.Record]] = {}
+    effects: dict[str, list[Mapping[str, Any]]] = {}
     for e in phase.effects:
         if e["key"] not in due_keys or e["slot"] != tick:
             bad.append(f"effect of key {e['key']} at {e['slot']}: not a due (key, slot)")
