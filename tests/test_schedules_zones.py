@@ -182,21 +182,40 @@ def test_checker_reports(break_it: Callable[[Phase], None], kills: bool, words: 
     assert any(words in v for v in verdict.violations), verdict.violations
 
 
-def test_due_minutes_go_through_the_offset_at_that_date() -> None:
-    """Every due expression fires at the tick and only then (cronlock's schedule code agrees
-    with zoneinfo); in the zones whose offset half a year away differs, the expression written
-    with that offset does not fire at it, and at the plan's date that is most of those zones."""
-    schedules = plan(COUNT, DUE, TICK)
+# Ticks on the days offsets change: Berlin's spring-forward instant; 02:30 in Berlin the night
+# the clocks go back, first (CEST) and second (CET) time; Lord Howe's 01:45 the night its half
+# hour of DST ends, the second time; the proof's own date.
+TRANSITION_TICKS = (
+    datetime(2026, 3, 29, 1, 0, tzinfo=UTC),
+    datetime(2026, 10, 25, 0, 30, tzinfo=UTC),
+    datetime(2026, 10, 25, 1, 30, tzinfo=UTC),
+    datetime(2026, 4, 4, 15, 15, tzinfo=UTC),
+    TICK,
+)
+
+
+@pytest.mark.parametrize("tick", TRANSITION_TICKS, ids=lambda t: t.strftime("%Y-%m-%dT%H:%M"))
+def test_each_schedule_fires_first_where_zoneinfo_says(tick: datetime) -> None:
+    """cronlock's schedule code agrees with zoneinfo on every schedule's first tick, the due
+    ones' at the tick; an expression written with the offset half a year away does not fire at
+    the tick; and the plan holds on the nights the clocks change."""
+    schedules = plan(COUNT, DUE, tick)
     assert {s.tz for s in schedules} == set(ZONES_CHANGING + ZONES_FIXED)
     assert sum(s.due for s in schedules) == DUE
     for s in schedules:
         slots = slots_of(s.schedule, None, s.tz)
-        assert slots.next_tick(TICK - timedelta(minutes=5)) == s.first, s
-        if s.due:
-            assert slots.is_tick(TICK), s
+        assert slots.next_tick(tick - timedelta(minutes=5)) == s.first, s
+        assert s.first == tick if s.due else s.first > tick + timedelta(minutes=59), s
         if s.other is not None:
             assert s.tz in ZONES_CHANGING, s
-            assert not slots_of(s.other, None, s.tz).is_tick(TICK), s
+            assert not slots_of(s.other, None, s.tz).is_tick(tick), s
+    assert any(s.other is not None for s in schedules)
+
+
+def test_due_minutes_go_through_the_offset_at_that_date() -> None:
+    """On the proof's date the southern zones are in DST: their due minute is the one their
+    summer offset gives (and that of Kathmandu's +5:45 is a quarter past)."""
+    schedules = plan(COUNT, DUE, TICK)
     contrasted = {s.tz for s in schedules if s.other is not None}
     assert {"Australia/Lord_Howe", "America/Santiago", "Pacific/Chatham"} <= contrasted
     assert len(contrasted) >= 20
