@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -255,7 +254,8 @@ class Phase:
     runs: Sequence[Mapping[str, Any]] = field(default_factory=list)
     effects: Sequence[Mapping[str, Any]] = field(default_factory=list)
     rows: dict[str, tuple[datetime, int]] = field(default_factory=dict)
-    waited: float = 0.0
+    # When the last due key had succeeded (or the wait for it ended).
+    done_at: datetime | None = None
 
 
 async def db_now(conn: asyncpg.Connection) -> datetime:
@@ -347,12 +347,11 @@ async def observe(dsn: str, phase: Phase, instances: Sequence[Process], kills: i
             phase.killed = [v.name for v in victims]
             phase.killed_at = await db_now(conn)
         deadline = phase.tick + timedelta(seconds=MAX_LATENESS + 30)
-        began = time.monotonic()
         while await conn.fetchval(SUCCEEDED_SQL, JOB, phase.tick) < due:
             if await db_now(conn) >= deadline:
                 break
             await asyncio.sleep(0.25)
-        phase.waited = time.monotonic() - began
+        phase.done_at = await db_now(conn)
         await asyncio.sleep(QUIET)
         survivors = [i for i in instances if i.name not in phase.killed]
         await asyncio.to_thread(_stop_all, survivors)
@@ -416,12 +415,17 @@ class Verdict:
             f"{self.phase.title}: tick {self.phase.tick.isoformat()} (the database's clock); "
             f"{f['contrasted']:,} due keys in {f['contrasted_zones']} zones whose offset at the "
             "tick is not the one half a year away (none fires at the tick with that other "
-            f"offset); set in {f['set_s']:.1f} s, {f['set_before_tick']:.1f} s before the tick"
+            f"offset); set in {f['set_s']:.1f} s, {_seconds(f['set_before_tick'])} before the "
+            f"tick; every due key done by tick + {_seconds(f['done_after'])}"
         ]
         lines += [f"  - {line}" for line in self.violations[:shown]]
         if len(self.violations) > shown:
             lines.append(f"  - ... and {len(self.violations) - shown:,} more")
         return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "?" if value is None else f"{value:.1f} s"
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -545,5 +549,6 @@ def check(phase: Phase) -> Verdict:
         if phase.set_began and phase.set_ended
         else float("nan"),
         "set_before_tick": (tick - phase.set_ended).total_seconds() if phase.set_ended else None,
+        "done_after": (phase.done_at - tick).total_seconds() if phase.done_at else None,
     }
     return Verdict(phase, figures, bad)
