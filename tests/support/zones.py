@@ -497,7 +497,8 @@ def check(phase: Phase) -> Verdict:
         elif not runs or not made:
             missed += 1
             bad.append(
-                f"key {key} ({planned[key].tz}): missed ({len(runs)} runs, {len(made)} effects)"
+                f"key {key} ({planned[key].tz}): missed "
+                f"({len(runs)} succeeded runs, {len(made)} effects)"
             )
         elif made[0]["run_id"] != runs[0]["id"]:
             bad.append(f"key {key}: the effect is run {made[0]['run_id']}'s, not {runs[0]['id']}'s")
