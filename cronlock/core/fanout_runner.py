@@ -739,7 +739,7 @@ class FanoutRunner:
         """Mark item `n` succeeded with its effects; settle the run if it was the last one.
         True once committed (or, when the connection broke during the commit, perhaps
         committed: the item's row says)."""
-        settings, schema = self.settings, self.schema
+        settings = self.settings
         spec = job.fanout
         assert spec is not None
         try:
@@ -750,16 +750,7 @@ class FanoutRunner:
                     client_check_interval=settings.db_client_check_interval,
                     server_version=self.db.server_version,
                 )
-                left = await fanout.settle(
-                    conn,
-                    schema,
-                    a,
-                    n,
-                    status="succeeded",
-                    result=result,
-                    error=None,
-                    instance=settings.instance_name,
-                )
+                left = await self._settle_item(conn, a, n, "succeeded", result, None)
             if left == 0:
                 await self._shard_done(conn, job, a)
             with deadline(conn, settings.db_query_timeout):
@@ -815,19 +806,25 @@ class FanoutRunner:
             delay = settings.fanout_retry_delay * 2**done
             await fanout.retry_later(conn, schema, a.id, n, error, settings.instance_name, delay)
             return "retried"
-        left = await fanout.settle(
-            conn,
-            schema,
-            a,
-            n,
-            status="failed",
-            result=None,
-            error=error,
-            instance=settings.instance_name,
-        )
-        if left == 0:
+        if await self._settle_item(conn, a, n, "failed", None, error) == 0:
             await self._shard_done(conn, job, a)
         return "failed"
+
+    async def _settle_item(
+        self, conn: Conn, a: Active, n: int, status: str, result: Any, error: str | None
+    ) -> int | None:
+        """Item `n` settled as `status`; how many items of its shard are left (as
+        `fanout.settle` says)."""
+        return await fanout.settle(
+            conn,
+            self.schema,
+            a,
+            n,
+            status=status,
+            result=result,
+            error=error,
+            instance=self.settings.instance_name,
+        )
 
     def _observe(
         self, job: Job, outcome: str, began: float, span: Span, error: str | None = None
