@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,13 @@ import asyncpg
 import pytest
 
 from cronlock.cli.embedded import wheel_bindir
+from cronlock.core import fanout
+from cronlock.core.fanout import Active
 from cronlock.core.jobs import load
 from cronlock.core.runner import Runner
 from cronlock.db.lock import reset_session, try_lock
 from cronlock.db.pool import Database
+from cronlock.db.schema import migrate, migration_sets
 from tests.support.postgres import ScratchPostgres
 
 
@@ -105,3 +109,100 @@ async def test_a_run_on_the_newest_server_clears_the_session_it_leaves(
         assert on_it[0]["cursors"] == []
     finally:
         await db.close()
+
+
+FANOUT_SQL = """
+INSERT INTO cronlock.runs (id, job, trigger, instance) OVERRIDING SYSTEM VALUE
+VALUES (1, 'fan', 'manual', 'test');
+INSERT INTO cronlock.fanouts (run_id, job, total, shards, shards_left) VALUES (1, 'fan', 2, 2, 2);
+INSERT INTO cronlock.fanout_shards (fanout_id, shard, remaining) SELECT id, s, 1
+FROM cronlock.fanouts, generate_series(0, 1) s;
+INSERT INTO cronlock.fanout_items (fanout_id, n, item) SELECT id, g, to_jsonb(g)
+FROM cronlock.fanouts, generate_series(0, 1) g;
+"""
+
+
+@pytest.fixture(params=["session server", "newest server"])
+async def migrated(
+    request: pytest.FixtureRequest, database_url: str, newest: ScratchPostgres
+) -> AsyncIterator[asyncpg.Connection]:
+    """A connection to a migrated database on the session's server (15 here) or the newest."""
+    if request.param == "session server":
+        url = database_url
+    else:
+        admin = await asyncpg.connect(newest.dsn())
+        await admin.execute("DROP DATABASE IF EXISTS fanout17")
+        await admin.execute("CREATE DATABASE fanout17")
+        await admin.close()
+        url = newest.dsn("fanout17")
+        c = await asyncpg.connect(url, statement_cache_size=0)
+        await migrate(c, "cronlock", migration_sets([]))
+        await c.close()
+    c = await asyncpg.connect(url, statement_cache_size=0)
+    yield c
+    await c.close()
+
+
+async def test_a_fanout_item_s_two_calls_set_its_timeouts_and_clear_its_session(
+    migrated: asyncpg.Connection,
+) -> None:
+    """The claim sets the item transaction's timeouts and locks one item (migration 0021's
+    fanout_claim); an item that changed its session (a setting, its search_path, a session
+    lock, LISTEN, a held cursor) leaves none of it once it settles (fanout_item_succeeded),
+    which sets the timeouts again (`transaction_timeout` to what is left of its budget) and
+    counts the item on its shard."""
+    conn = migrated
+    version = conn.get_server_version().major * 10000
+    await conn.execute(FANOUT_SQL)
+    active = Active(
+        id=1, run_id=1, job="fan", key=None, slot=None, shards=2, params=None,
+        trigger="manual", started_at=datetime.now(UTC), cancel_requested=False, cancelled_by="",
+    )  # fmt: skip
+    newest = version >= 170000
+    async with conn.transaction():
+        row = await fanout.claim(
+            conn, "cronlock", 1, db_timeout=30, client_check_interval=1, server_version=version
+        )
+        assert row is not None
+        assert (row["n"], row["item"], row["attempts"], row["run_id"]) == (0, "0", 0, 1)
+        assert await setting_ms(conn, "statement_timeout") == 30_000
+        if newest:
+            assert await setting_ms(conn, "transaction_timeout") == 30_000
+        await conn.execute("SET work_mem = '77MB'")
+        await conn.execute("SET search_path = nowhere")
+        await conn.execute("SET statement_timeout = 0")
+        await conn.execute("SELECT pg_advisory_lock(5)")
+        await conn.execute("LISTEN careless")
+        await conn.execute("DECLARE kept CURSOR WITH HOLD FOR SELECT 1")
+        await conn.execute("SELECT pg_sleep(0.5)")
+        left = await fanout.succeeded(
+            conn, "cronlock", active, 0, '{"ok": true}', instance="test",
+            db_timeout=30, client_check_interval=1, server_version=version,
+        )  # fmt: skip
+        assert left == 0  # item 0 was its shard's only one
+        assert await conn.fetchval("SELECT current_setting('work_mem')") == "4MB"
+        assert await conn.fetchval("SELECT current_setting('search_path')") == '"$user", public'
+        assert await setting_ms(conn, "statement_timeout") == 30_000
+        assert await setting_ms(conn, "idle_in_transaction_session_timeout") == 30_000
+        assert await setting_ms(conn, "client_connection_check_interval") == 1_000
+        if newest:
+            assert 25_000 < await setting_ms(conn, "transaction_timeout") <= 29_500
+        assert await conn.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        ) == 0  # fmt: skip
+        assert await conn.fetch("SELECT pg_listening_channels()") == []
+        assert await conn.fetch("SELECT name FROM pg_cursors WHERE name <> ''") == []
+    items = await conn.fetch(
+        "SELECT n, status, attempts, result, instance FROM cronlock.fanout_items ORDER BY n"
+    )
+    assert [tuple(r) for r in items] == [
+        (0, "succeeded", 1, '{"ok": true}', "test"),
+        (1, "pending", 0, None, None),
+    ]
+    shards = await conn.fetch("SELECT remaining, done FROM cronlock.fanout_shards ORDER BY shard")
+    assert [tuple(r) for r in shards] == [(0, 1), (1, 0)]
+    async with conn.transaction():  # settled already: nothing counted twice
+        assert await fanout.succeeded(
+            conn, "cronlock", active, 0, None, instance="test",
+            db_timeout=30, client_check_interval=1, server_version=version,
+        ) is None  # fmt: skip

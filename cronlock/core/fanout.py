@@ -47,7 +47,7 @@ from typing import Any
 import asyncpg
 
 from cronlock.core.jobs import JobContext, Trigger
-from cronlock.db.lock import timeouts_sql
+from cronlock.db.lock import ms, ms_setting
 from cronlock.db.pool import Conn
 from cronlock.sql import qualify
 
@@ -274,45 +274,35 @@ WHERE f.state = 'running' AND f.job = ANY($1::text[])
 ORDER BY f.id
 """
 
-# One pending item, locked; the transaction's timeouts set in the same round trip (the select
-# list is evaluated before the row lock is tried; setting them twice is harmless). A fan-out
-# that was cancelled or settled meanwhile gives no item; `run_id` is the attempt working the
-# fan-out now (a retry may have taken it over since the worker last looked), `traceparent`
-# its span's.
-_CLAIM_SQL = """
-SELECT i.n, i.item, i.attempts, f.run_id, f.traceparent, {timeouts}
-FROM {{schema}}.fanout_items i
-JOIN {{schema}}.fanouts f ON f.id = i.fanout_id
-JOIN {{schema}}.runs r ON r.id = f.run_id
-WHERE i.fanout_id = $1 AND i.status = 'pending' AND (i.not_before IS NULL OR i.not_before <= now())
-  AND f.state = 'running' AND r.cancel_requested_at IS NULL
-ORDER BY i.n
-LIMIT 1
-FOR UPDATE OF i SKIP LOCKED
+# One pending item, locked, the transaction's timeouts set first (migration 0021's function,
+# whose plan the server keeps per connection). A fan-out that was cancelled or settled
+# meanwhile gives no item; `run_id` is the attempt working the fan-out now (a retry may have
+# taken it over since the worker last looked), `traceparent` its span's.
+CLAIM_SQL = """
+SELECT n, item, attempts, run_id, traceparent FROM {schema}.fanout_claim($1, $2, $3, $4)
 """
 
+# An item succeeded: the session reset (what the item function set goes, the timeouts set
+# again), then the item marked and taken off its shard's counter, in one call (migration
+# 0021): the counter's new value, or NULL when the item was settled already.
+SUCCEEDED_SQL = "SELECT {schema}.fanout_item_succeeded($1, $2, $3, $4, $5, $6, $7, $8)"
 
-def claim_sql(server_version: int) -> str:
-    transaction_timeout = "$2" if server_version >= 170000 else None
-    return _CLAIM_SQL.format(timeouts=timeouts_sql("$2", "$3", transaction_timeout))
 
-
-# Settle an item (succeeded, or failed for good) and take it off its shard's counter: the
-# counter's new value, or no row when the item was settled already.
-SETTLE_SQL = """
+# An item failed for good (its retries spent): settled, and taken off its shard's counter: the
+# counter's new value, or no row when the item was settled already. (A success settles
+# through migration 0021's function, SUCCEEDED_SQL.)
+FAILED_SQL = """
 WITH item AS (
     UPDATE {schema}.fanout_items
-    SET status = $3, attempts = attempts + 1, result = $4, error = $5, instance = $6,
+    SET status = 'failed', attempts = attempts + 1, result = NULL, error = $3, instance = $4,
         finished_at = clock_timestamp(), not_before = NULL
     WHERE fanout_id = $1 AND n = $2 AND status = 'pending'
     RETURNING n
 )
 UPDATE {schema}.fanout_shards s
-SET remaining = s.remaining - 1,
-    done = s.done + CASE WHEN $3 = 'succeeded' THEN 1 ELSE 0 END,
-    failed = s.failed + CASE WHEN $3 = 'failed' THEN 1 ELSE 0 END
+SET remaining = s.remaining - 1, failed = s.failed + 1
 FROM item
-WHERE s.fanout_id = $1 AND s.shard = item.n % $7
+WHERE s.fanout_id = $1 AND s.shard = item.n % $5
 RETURNING s.remaining
 """
 
@@ -380,29 +370,56 @@ async def claim(
     schema: str,
     fanout_id: int,
     *,
-    db_timeout: str,
-    client_check_interval: str,
+    db_timeout: float,
+    client_check_interval: float,
     server_version: int,
 ) -> asyncpg.Record | None:
-    sql = qualify(claim_sql(server_version), schema)
-    return await conn.fetchrow(sql, fanout_id, db_timeout, client_check_interval)
+    """One pending item of the fan-out, locked, with the transaction's timeouts set."""
+    timeout = ms_setting(db_timeout)
+    transaction_timeout = timeout if server_version >= 170000 else None
+    return await conn.fetchrow(
+        qualify(CLAIM_SQL, schema),
+        fanout_id,
+        timeout,
+        ms_setting(client_check_interval),
+        transaction_timeout,
+    )
 
 
-async def settle(
+async def succeeded(
     conn: Conn,
     schema: str,
     a: Active,
     n: int,
-    *,
-    status: str,
     result: Any,
-    error: str | None,
+    *,
     instance: str,
+    db_timeout: float,
+    client_check_interval: float,
+    server_version: int,
 ) -> int | None:
-    """Settle item `n`; its shard's counter after it (None: settled already by another)."""
+    """Reset the item's session and settle item `n` succeeded; its shard's counter after it
+    (None: settled already by another)."""
+    transaction_ms = ms(db_timeout) if server_version >= 170000 else None
     value = await conn.fetchval(
-        qualify(SETTLE_SQL, schema), a.id, n, status, result, error, instance, a.shards
+        qualify(SUCCEEDED_SQL, schema),
+        a.id,
+        n,
+        result,
+        instance,
+        a.shards,
+        ms_setting(db_timeout),
+        ms_setting(client_check_interval),
+        transaction_ms,
     )
+    return int(value) if value is not None else None
+
+
+async def failed(
+    conn: Conn, schema: str, a: Active, n: int, *, error: str, instance: str
+) -> int | None:
+    """Settle item `n` failed; its shard's counter after it (None: settled already by another)."""
+    value = await conn.fetchval(qualify(FAILED_SQL, schema), a.id, n, error, instance, a.shards)
     return int(value) if value is not None else None
 
 

@@ -90,10 +90,6 @@ def _closed(conn: Conn) -> bool:
         return True
 
 
-def _ms(seconds: float) -> str:
-    return f"{max(1, int(seconds * 1000))}ms"
-
-
 class FanoutRunner:
     """The fan-out half of the runner."""
 
@@ -589,16 +585,16 @@ class FanoutRunner:
                         conn,
                         schema,
                         a.id,
-                        db_timeout=_ms(db_timeout),
-                        client_check_interval=f"{int(settings.db_client_check_interval * 1000)}ms",
+                        db_timeout=db_timeout,
+                        client_check_interval=settings.db_client_check_interval,
                         server_version=self.db.server_version,
                     )
+                    if row is not None:
+                        await conn.execute(SAVEPOINT_ITEM_SQL)
             except DRIVER_ERRORS as exc:
                 raise translate(exc) from exc
             if row is None:
                 return False
-            with deadline(conn, settings.db_query_timeout):
-                await conn.execute(SAVEPOINT_ITEM_SQL)
             if row["run_id"] != a.run_id:  # continued by a later attempt since the last look
                 a = dataclasses.replace(a, run_id=row["run_id"], traceparent=row["traceparent"])
                 self.refreshed = 0.0
@@ -744,13 +740,17 @@ class FanoutRunner:
         assert spec is not None
         try:
             with deadline(conn, settings.db_query_timeout):
-                await reset_session(
+                left = await fanout.succeeded(
                     conn,
+                    self.schema,
+                    a,
+                    n,
+                    result,
+                    instance=settings.instance_name,
                     db_timeout=spec.timeout + settings.db_timeout_margin,
                     client_check_interval=settings.db_client_check_interval,
                     server_version=self.db.server_version,
                 )
-                left = await self._settle_item(conn, a, n, "succeeded", result, None)
             if left == 0:
                 await self._shard_done(conn, job, a)
             with deadline(conn, settings.db_query_timeout):
@@ -806,25 +806,10 @@ class FanoutRunner:
             delay = settings.fanout_retry_delay * 2**done
             await fanout.retry_later(conn, schema, a.id, n, error, settings.instance_name, delay)
             return "retried"
-        if await self._settle_item(conn, a, n, "failed", None, error) == 0:
+        left = await fanout.failed(conn, schema, a, n, error=error, instance=settings.instance_name)
+        if left == 0:
             await self._shard_done(conn, job, a)
         return "failed"
-
-    async def _settle_item(
-        self, conn: Conn, a: Active, n: int, status: str, result: Any, error: str | None
-    ) -> int | None:
-        """Item `n` settled as `status`; how many items of its shard are left (as
-        `fanout.settle` says)."""
-        return await fanout.settle(
-            conn,
-            self.schema,
-            a,
-            n,
-            status=status,
-            result=result,
-            error=error,
-            instance=self.settings.instance_name,
-        )
 
     def _observe(
         self, job: Job, outcome: str, began: float, span: Span, error: str | None = None

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
+from cronlock.db.lock import ms_setting
 from cronlock.db.pool import Conn, Database, deadline, terminate
 from cronlock.errors import (
     CONNECTION_ERRORS,
@@ -373,10 +374,6 @@ async def request_cancel(
         return "cancelled", row["id"]
 
 
-def _ms(seconds: float) -> str:
-    return f"{max(1, int(seconds * 1000))}ms"
-
-
 def json_copy(value: Any) -> Any:
     return json.loads(json.dumps(value)) if value is not None else None
 
@@ -510,7 +507,7 @@ class Fence:
                 with deadline(conn, self.settings.db_query_timeout):
                     tx = conn.transaction(isolation="read_committed")
                     await tx.start()
-                    await conn.fetchrow(STEP_TIMEOUTS_SQL, _ms(self.lease))
+                    await conn.fetchrow(STEP_TIMEOUTS_SQL, ms_setting(self.lease))
                     await self._renew(conn)
             except DATABASE_ERRORS as exc:
                 reason = exc.reason if isinstance(exc, DatabaseUnavailable) else describe(exc)

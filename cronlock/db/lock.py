@@ -214,8 +214,14 @@ def try_lock_sql(server_version: int) -> str:
     return TRY_LOCK_SQL.format(timeouts=timeouts_sql("$3", "$4", transaction_timeout))
 
 
-def _ms(seconds: float) -> int:
+def ms(seconds: float) -> int:
+    """Seconds as whole milliseconds, at least 1 (0 turns a PostgreSQL timeout off)."""
     return max(1, int(seconds * 1000))
+
+
+def ms_setting(seconds: float) -> str:
+    """Seconds as a timeout setting's value: '1500ms'."""
+    return f"{ms(seconds)}ms"
 
 
 async def try_lock(
@@ -235,7 +241,7 @@ async def try_lock(
         try_lock_sql(server_version),
         name,
         namespace,
-        f"{_ms(db_timeout)}ms",
+        ms_setting(db_timeout),
         f"{int(client_check_interval * 1000)}ms",
     )
     assert row is not None
@@ -264,7 +270,7 @@ async def reset_session(
     conn: Conn, *, db_timeout: float, client_check_interval: float, server_version: int
 ) -> None:
     """Clear what the job may have set for the session; the caller's transaction is open."""
-    timeout_ms = _ms(db_timeout)
+    timeout_ms = ms(db_timeout)
     left = (
         f"greatest(1, {timeout_ms} - "
         "(extract(epoch FROM clock_timestamp() - now()) * 1000)::bigint) || 'ms'"

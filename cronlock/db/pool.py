@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import TracebackType
 from typing import TYPE_CHECKING, cast
 
 import asyncpg
@@ -45,32 +46,43 @@ def terminate(conn: Conn) -> None:
         conn.terminate()
 
 
-@contextlib.contextmanager
-def deadline(conn: Conn, seconds: float) -> Iterator[None]:
+class deadline:  # lower case: it reads as a function, `with deadline(conn, seconds):`
     """Bound a block of statements on `conn`: past `seconds` the connection is closed and the
     block fails with DatabaseUnavailable. The server's own timeouts cannot help when it, or a
     pooler in between, stops answering with the socket still open (a frozen process, a
     network that drops packets): the request would wait for ever. A block that overran is a
-    failure even if its last statement came back meanwhile: the connection is gone."""
-    expired = False
+    failure even if its last statement came back meanwhile: the connection is gone.
 
-    def expire() -> None:
-        nonlocal expired
-        expired = True
-        terminate(conn)
+    A class, not a generator-based context manager: it wraps the statements of every trigger
+    and every fan-out item (three times an item), and costs about 4 µs a block instead of 6
+    this way, most of what is left being the event loop's timer."""
 
-    handle = asyncio.get_running_loop().call_later(seconds, expire)
-    reason = f"no answer from the database within {seconds:g} s"
-    try:
-        yield
-    except Exception as exc:
-        if expired:
+    __slots__ = ("conn", "expired", "handle", "seconds")
+
+    def __init__(self, conn: Conn, seconds: float) -> None:
+        self.conn = conn
+        self.seconds = seconds
+        self.expired = False
+        self.handle: asyncio.TimerHandle | None = None
+
+    def _expire(self) -> None:
+        self.expired = True
+        terminate(self.conn)
+
+    def __enter__(self) -> None:
+        self.handle = asyncio.get_running_loop().call_later(self.seconds, self._expire)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self.handle is not None
+        self.handle.cancel()
+        if self.expired and (exc is None or isinstance(exc, Exception)):
+            reason = f"no answer from the database within {self.seconds:g} s"
             raise DatabaseUnavailable(reason) from exc
-        raise
-    finally:
-        handle.cancel()
-    if expired:
-        raise DatabaseUnavailable(reason)
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:

@@ -24,7 +24,7 @@ from typing import Literal
 
 import asyncpg
 
-from cronlock.db.lock import internal_lock
+from cronlock.db.lock import internal_lock, ms_setting
 from cronlock.errors import CONNECTION_ERRORS, CronlockError
 from cronlock.sql import Conn, qualify, quote
 
@@ -289,7 +289,7 @@ def script(schema: str, steps: Sequence[Step], lock_timeout: float) -> str:
     for step in steps:
         out += ["", f"-- {step.label}", "BEGIN;"]
         out.append(f"SELECT pg_advisory_xact_lock(hashtextextended('{migrate_lock(schema)}', 0));")
-        out.append(f"SET LOCAL lock_timeout = '{_ms(lock_timeout)}ms';")
+        out.append(f"SET LOCAL lock_timeout = '{ms_setting(lock_timeout)}';")
         out.append(step.sql.strip().rstrip(";") + ";")
         out += [
             f"INSERT INTO {quote(schema)}.migrations (module, version, name) "
@@ -298,10 +298,6 @@ def script(schema: str, steps: Sequence[Step], lock_timeout: float) -> str:
         ]
         out.append("COMMIT;")
     return "\n".join(out) + "\n"
-
-
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
 
 
 async def migrate(
@@ -325,7 +321,7 @@ async def migrate(
         try:
             async with conn.transaction():
                 await conn.execute(LOCK_SQL, migrate_lock(schema))
-                await conn.execute(LOCK_TIMEOUT_SQL, f"{_ms(lock_timeout)}ms")
+                await conn.execute(LOCK_TIMEOUT_SQL, ms_setting(lock_timeout))
                 if not await _still_needed(conn, schema, step):
                     continue
                 await conn.execute(step.sql)

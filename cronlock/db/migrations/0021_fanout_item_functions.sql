@@ -1,0 +1,92 @@
+-- The two statements of cronlock's own that every fan-out item runs (cronlock/core/fanout.py),
+-- as functions: PL/pgSQL keeps their plans for the life of the server connection, where a
+-- parameterised statement is parsed and planned again at every item (the client keeps no
+-- prepared statements behind PgBouncer; 0003_probe.sql does the same for the trigger's
+-- probe). Together with the session reset folded into the second one, this took the
+-- database's time per item from about twice the bare claim + write + mark loop's to 1.2 x
+-- (bench/fanout.py, BENCHMARKS.md).
+
+-- One pending item of a running, uncancelled fan-out, locked (SKIP LOCKED, in plan order),
+-- after the transaction's timeouts are set (`transaction_timeout` from PostgreSQL 17: NULL
+-- before). `run_id` is the attempt working the fan-out now (a retry may have taken it over
+-- since the worker last looked), `traceparent` its span's. No row when there is none to give.
+-- The pinned search_path restores only itself at exit: the timeouts stay set for the rest
+-- of the caller's transaction.
+CREATE FUNCTION {schema}.fanout_claim(p_fanout bigint, p_timeout text, p_check text,
+                                      p_transaction_timeout text)
+RETURNS TABLE (n integer, item jsonb, attempts integer, run_id bigint, traceparent text)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM set_config('statement_timeout', p_timeout, true),
+            set_config('idle_in_transaction_session_timeout', p_timeout, true),
+            set_config('client_connection_check_interval', p_check, true);
+    IF p_transaction_timeout IS NOT NULL THEN
+        PERFORM set_config('transaction_timeout', p_transaction_timeout, true);
+    END IF;
+    RETURN QUERY
+    SELECT i.n, i.item, i.attempts, f.run_id, f.traceparent
+    FROM {schema}.fanout_items AS i
+    JOIN {schema}.fanouts AS f ON f.id = i.fanout_id
+    JOIN {schema}.runs AS r ON r.id = f.run_id
+    WHERE i.fanout_id = p_fanout AND i.status = 'pending'
+      AND (i.not_before IS NULL OR i.not_before <= now())
+      AND f.state = 'running' AND r.cancel_requested_at IS NULL
+    ORDER BY i.n
+    LIMIT 1
+    FOR UPDATE OF i SKIP LOCKED;
+END
+$$;
+
+-- Item `p_n` succeeded: first what the item function set for the session goes (the
+-- connection returns to the pool after this transaction, and through PgBouncer to other
+-- clients: cronlock/db/lock.py RESET_SESSION_SQL says the same for a job) and the timeouts
+-- are set again, the transaction's remaining time for `transaction_timeout` (17+, else NULL);
+-- then the item is marked and taken off its shard's counter. Returns the counter's new
+-- value, or NULL when the item was settled already.
+-- No SET clause here, unlike the claim: a function's SET clause restores its variables at
+-- exit, which would undo this RESET ALL for them. RESET ALL runs first, so the statements
+-- after it see the default search_path (pg_catalog first) whatever the item set; every
+-- table is named with the schema.
+CREATE FUNCTION {schema}.fanout_item_succeeded(p_fanout bigint, p_n integer, p_result jsonb,
+                                               p_instance text, p_shards integer,
+                                               p_timeout text, p_check text,
+                                               p_transaction_timeout_ms bigint)
+RETURNS integer
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    left_ integer;
+BEGIN
+    RESET ALL;
+    PERFORM pg_catalog.pg_advisory_unlock_all();
+    UNLISTEN *;
+    -- The portal running this function is active, and CLOSE ALL leaves active portals be.
+    EXECUTE 'CLOSE ALL';
+    PERFORM pg_catalog.set_config('statement_timeout', p_timeout, true),
+            pg_catalog.set_config('idle_in_transaction_session_timeout', p_timeout, true),
+            pg_catalog.set_config('client_connection_check_interval', p_check, true);
+    IF p_transaction_timeout_ms IS NOT NULL THEN
+        PERFORM pg_catalog.set_config(
+            'transaction_timeout',
+            greatest(1, p_transaction_timeout_ms
+                        - (extract(epoch FROM clock_timestamp() - now()) * 1000)::bigint)
+                || 'ms',
+            true);
+    END IF;
+    UPDATE {schema}.fanout_items AS i
+    SET status = 'succeeded', attempts = i.attempts + 1, result = p_result, error = NULL,
+        instance = p_instance, finished_at = clock_timestamp(), not_before = NULL
+    WHERE i.fanout_id = p_fanout AND i.n = p_n AND i.status = 'pending';
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    UPDATE {schema}.fanout_shards AS s
+    SET remaining = s.remaining - 1, done = s.done + 1
+    WHERE s.fanout_id = p_fanout AND s.shard = p_n % p_shards
+    RETURNING s.remaining INTO left_;
+    RETURN left_;
+END
+$$;
