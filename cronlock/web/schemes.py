@@ -50,7 +50,8 @@ MESSAGE_ID = b"upstash-message-id"
 @dataclass(frozen=True)
 class Caller:
     """What a trigger request offers to be checked: its headers as received (repeats kept),
-    the URL it was sent to, and its body when a scheme needs it (qstash)."""
+    the URL it was sent to when a scheme needs it (oidc, qstash; else empty), and its body
+    when a scheme needs it (qstash)."""
 
     headers: Sequence[tuple[bytes, bytes]]
     url: str
@@ -169,6 +170,8 @@ class TriggerAuth:
         self.names = tuple(s.name for s in schemes)
         self.challenge = ", ".join(s.challenge for s in schemes)
         self.trusted = Trusted(trusted)
+        # The Bearer secret is not bound to a URL: with it alone, none is worked out.
+        self.wants_url = any(s.name != "bearer" for s in schemes)
         oidc = [s for s in schemes if isinstance(s, OidcTokenScheme)]
         self.certs = oidc[0].oidc.certs if oidc else None
 
@@ -209,7 +212,8 @@ class TriggerAuth:
     async def check(self, scope: Scope, body: bytes | None) -> Accepted | None:
         """The first scheme that accepts the request, or None. KeysUnavailable (a 503) only
         when no scheme accepted and one could not decide for want of keys."""
-        caller = Caller(scope["headers"], self.called_url(scope), body)
+        url = self.called_url(scope) if self.wants_url else ""
+        caller = Caller(scope["headers"], url, body)
         unavailable: KeysUnavailable | None = None
         for scheme in self.schemes:
             try:
