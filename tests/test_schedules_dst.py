@@ -1,23 +1,24 @@
 """Dynamic schedules dispatched live across both EU daylight-saving changes of 2027, by three real
-uvicorn instances: the rules of docs/schedules.md ("Daylight saving") hold in the dispatch, not
-only in the tick arithmetic. Two code-scheduled jobs (tests/dst_jobs.py) go through the same
-night on the built-in scheduler's own path.
+uvicorn instances a change: the rules of docs/schedules.md ("Daylight saving") hold in the
+dispatch, not only in the tick arithmetic. Two code-scheduled jobs (tests/dst_jobs.py) go
+through the same nights on the built-in scheduler's own path.
 
-Only the PostgreSQL server's clock is faked (libfaketime, Debian's `faketime`), to read about
-LEAD seconds before the change when it starts; cronlock takes every slot decision on the
+Only the PostgreSQL servers' clocks are faked (libfaketime, Debian's `faketime`), each to read
+LEAD seconds before its change when it starts; cronlock takes every slot decision on the
 database's clock, so the instances, whose clocks stay real (months behind), dispatch as they
-would that night. Each phase has a server of its own; the slots each key and job must run are
-written out below by hand, as UTC instants, from the documented rules, never computed with
-cronlock's own code.
+would that night. Each change has a server of its own, and both are run at once (in the same
+real two minutes). The slots each key and job must run are written out below by hand, as UTC
+instants, from the documented rules, never computed with cronlock's own code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -28,7 +29,9 @@ import pytest
 from cronlock import Cronlock
 from cronlock.db.schema import migrate, migration_sets
 from cronlock.settings import Settings
+from tests.support import TEST_SECRET
 from tests.support.binaries import require_binary
+from tests.support.cluster import Instance
 from tests.support.instances import Instances
 from tests.support.postgres import ScratchPostgres, create_database
 from tests.support.zones import ENV, JOBS, db_now, prepare
@@ -63,10 +66,20 @@ class Key:
     every: int | None = None
 
 
+@dataclass(frozen=True)
+class Night:
+    """One phase: the change (UTC), the dynamic job's keys, and the slots the code-scheduled
+    jobs (no rows: the scheduler ticks them) must run in the window."""
+
+    change: datetime
+    keys: dict[int, Key]
+    code: dict[str, tuple[datetime, ...]]
+
+
 SPRING = utc("2027-03-28 01:00")  # Berlin 02:00 CET -> 03:00 CEST, London, Helsinki at once
 FALL = utc("2027-10-31 01:00")  # Berlin 03:00 CEST -> 02:00 CET, London, Helsinki at once
 PHASES = {
-    "spring-forward": (
+    "spring-forward": Night(
         SPRING,
         {
             # A fixed hour's tick in the skipped hour runs once, at the change.
@@ -108,8 +121,9 @@ PHASES = {
                 utc("2027-03-28 01:02"),
             ),
         },
+        {"berlin-two": (SPRING,), "berlin-minutely": (SPRING, utc("2027-03-28 01:01"))},
     ),
-    "fall-back": (
+    "fall-back": Night(
         FALL,
         {
             # A fixed hour's tick in the repeated hour ran the first time (CEST, 00:00-00:59
@@ -150,18 +164,9 @@ PHASES = {
                 utc("2027-10-31 01:02"),
             ),
         },
+        # 02:00 CEST ran at 00:00 UTC, before the window; 02:00 CET, at the change, does not.
+        {"berlin-two": (), "berlin-minutely": (FALL, utc("2027-10-31 01:01"))},
     ),
-}
-
-
-# The code-scheduled jobs' slots in each window: no rows, the scheduler ticks them.
-CODE = {
-    "spring-forward": {
-        "berlin-two": (SPRING,),
-        "berlin-minutely": (SPRING, utc("2027-03-28 01:01")),
-    },
-    # 02:00 CEST ran at 00:00 UTC, before the window; 02:00 CET, at the change, runs nothing.
-    "fall-back": {"berlin-two": (), "berlin-minutely": (FALL, utc("2027-10-31 01:01"))},
 }
 
 
@@ -177,90 +182,118 @@ def faked_clock(at: datetime) -> dict[str, str]:
     }
 
 
-@pytest.fixture(params=list(PHASES))
-def phase(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    return name
-
-
 @pytest.fixture
-def faked_server(phase: str) -> Iterator[ScratchPostgres]:
-    """A PostgreSQL of the phase's own whose clock reads LEAD seconds before the change."""
+async def nights() -> AsyncIterator[dict[str, str]]:
+    """Each phase's migrated database, on a PostgreSQL of its own whose clock read LEAD
+    seconds before the phase's change when it started: both changes come in the same real
+    minute, so one wait sees both."""
     require_binary("faketime")
-    change, _ = PHASES[phase]
     root = Path(tempfile.mkdtemp(prefix="cronlock-dst-"))
-    server = ScratchPostgres(root / "pg", env=faked_clock(change - timedelta(seconds=LEAD)))
-    server.start()
+    servers: list[ScratchPostgres] = []
+    urls = {}
     try:
-        yield server
+        for phase, night in PHASES.items():
+            server = ScratchPostgres(
+                root / phase, env=faked_clock(night.change - timedelta(seconds=LEAD))
+            )
+            servers.append(server)
+            server.start()
+            await create_database(server.dsn(), "dst")
+            urls[phase] = server.dsn("dst")
+            conn = await asyncpg.connect(urls[phase], statement_cache_size=0)
+            try:
+                await migrate(conn, "cronlock", migration_sets(CRON_JOBS.split(",")))
+            finally:
+                await conn.close()
+            await prepare(urls[phase])
+        yield urls
     finally:
-        server.stop("immediate")
+        for server in servers:
+            server.stop("immediate")
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-async def database_url(faked_server: ScratchPostgres) -> str:
-    """The phase's database on that server, migrated (so `db`, `make_settings` and the
-    instances use it)."""
-    await create_database(faked_server.dsn(), "dst")
-    url = faked_server.dsn("dst")
-    conn = await asyncpg.connect(url, statement_cache_size=0)
-    try:
-        await migrate(conn, "cronlock", migration_sets(CRON_JOBS.split(",")))
-    finally:
-        await conn.close()
-    await prepare(url)
-    return url
-
-
-async def test_dispatch_across_the_change(
-    phase: str,
-    db: asyncpg.Connection,
-    make_settings: Callable[..., Settings],
-    instances: Instances,
-) -> None:
-    """Each key and code job runs its slots of the window exactly once, each at or after its
-    slot, with one effect each, and nothing else runs; each row then waits for its next tick."""
-    change, keys = PHASES[phase]
+async def set_schedules(phase: str, url: str, db: asyncpg.Connection) -> None:
+    """The phase's keys, through the library, each with its first tick as expected."""
+    night = PHASES[phase]
     began = await db_now(db)
-    assert abs((change - began).total_seconds() - LEAD) < 10, (
-        f"the server's clock reads {began.isoformat()}, not about {LEAD:.0f} s before "
-        f"{change.isoformat()}: libfaketime is not in effect"
+    assert abs((night.change - began).total_seconds() - LEAD) < 10, (
+        f"{phase}: the server's clock reads {began.isoformat()}, not about {LEAD:.0f} s before "
+        f"{night.change.isoformat()}: libfaketime is not in effect"
     )
-    cron = Cronlock(make_settings(cron_jobs=JOBS), housekeeping=False)
+    settings = Settings(_env_file=None, database_url=url, cron_secret=TEST_SECRET, cron_jobs=JOBS)
+    cron = Cronlock(settings, housekeeping=False)
     async with db.transaction():
-        for key, k in keys.items():
+        for key, k in night.keys.items():
             row = await cron.schedules.set(
                 db, JOB, key, schedule=k.schedule, every=k.every, tz=k.tz
             )
             first = k.runs[0] if k.runs else k.next_at
-            assert row.next_at == first, (key, k, row.next_at)
-    instances.start_many(["d1", "d2", "d3"], env={**ENV, "CRON_JOBS": CRON_JOBS})
-    ready = await db_now(db)
-    assert ready < change, f"the instances were ready at {ready.isoformat()}, after the change"
+            assert row.next_at == first, (phase, key, k, row.next_at)
 
-    end = change + timedelta(seconds=AFTER)
-    await asyncio.sleep((end - ready).total_seconds())
 
-    async def past_the_end() -> bool:
-        return await db_now(db) >= end
+async def wait_until(db: asyncpg.Connection, at: datetime) -> None:
+    """Until the server's clock reads `at` (at most 10 s longer than it says)."""
+    await asyncio.sleep(max(0.0, (at - await db_now(db)).total_seconds()))
 
-    await wait_for(past_the_end, 10.0, f"the server's clock to pass {end.isoformat()}", 0.2)
-    instances.stop()
+    async def passed() -> bool:
+        return await db_now(db) >= at
 
+    await wait_for(passed, 10.0, f"the server's clock to read {at.isoformat()}", 0.2)
+
+
+async def check(phase: str, db: asyncpg.Connection) -> None:
+    """Each key and code job ran its slots of the window exactly once, each at or after its
+    slot, with one effect each, and nothing else ran; each row waits for its next tick."""
+    night = PHASES[phase]
     runs = await db.fetch(
         "SELECT id, job, key, slot, status, started_at FROM cronlock.runs ORDER BY id"
     )
-    expected = [(JOB, str(key), slot) for key, k in keys.items() for slot in k.runs]
-    expected += [(job, "", slot) for job, slots in CODE[phase].items() for slot in slots]
-    assert sorted((r["job"], r["key"] or "", r["slot"]) for r in runs) == sorted(expected)
-    assert [r for r in runs if r["status"] != "succeeded"] == []
-    assert [r for r in runs if r["started_at"] < r["slot"]] == []
+    expected = [(JOB, str(key), slot) for key, k in night.keys.items() for slot in k.runs]
+    expected += [(job, "", slot) for job, slots in night.code.items() for slot in slots]
+    assert sorted((r["job"], r["key"] or "", r["slot"]) for r in runs) == sorted(expected), phase
+    assert [r for r in runs if r["status"] != "succeeded"] == [], phase
+    assert [r for r in runs if r["started_at"] < r["slot"]] == [], phase
     effects = await db.fetch("SELECT run_id, key, slot FROM zone_effects")
     assert sorted(tuple(e.values()) for e in effects) == [
         (r["id"], r["key"], r["slot"]) for r in runs
-    ]
+    ], phase
     rows = await db.fetch("SELECT key, next_at FROM cronlock.schedules WHERE job = $1", JOB)
     assert {r["key"]: r["next_at"] for r in rows} == {
-        str(key): k.next_at for key, k in keys.items()
-    }
+        str(key): k.next_at for key, k in night.keys.items()
+    }, phase
+
+
+async def test_dispatch_across_both_changes(
+    nights: dict[str, str],
+    tmp_path: Path,
+    report_logs: Callable[[Iterable[Instance]], None],
+) -> None:
+    """Three instances a phase dispatch through its change; then `check` each phase."""
+    dbs = {p: await asyncpg.connect(url, statement_cache_size=0) for p, url in nights.items()}
+    dispatchers = {p: Instances(url, tmp_path / p) for p, url in nights.items()}
+    try:
+        for phase, db in dbs.items():
+            await set_schedules(phase, nights[phase], db)
+        env = {**ENV, "CRON_JOBS": CRON_JOBS}
+        started = await asyncio.gather(
+            *(
+                asyncio.to_thread(d.start_many, [f"{p}-{n}" for n in (1, 2, 3)], env)
+                for p, d in dispatchers.items()
+            )
+        )
+        report_logs(itertools.chain(*started))
+        for phase, db in dbs.items():
+            ready = await db_now(db)
+            assert ready < PHASES[phase].change, f"{phase}: instances ready at {ready}, too late"
+        for phase, db in dbs.items():
+            await wait_until(db, PHASES[phase].change + timedelta(seconds=AFTER))
+        for d in dispatchers.values():
+            d.stop()
+        for phase, db in dbs.items():
+            await check(phase, db)
+    finally:
+        for d in dispatchers.values():
+            d.stop()
+        for db in dbs.values():
+            await db.close()
