@@ -43,7 +43,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote
@@ -387,6 +387,7 @@ class LocalPostgres:
         initdb_options: Sequence[str] = (),
         bindir: Path | None = None,
         password_file: Path | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self._data_dir = Path(data_dir).resolve()
         self._password_file = None if password_file is None else Path(password_file).absolute()
@@ -397,6 +398,8 @@ class LocalPostgres:
         self._settings = dict(settings or {})
         self._initdb_options = list(initdb_options)
         self._bindir = bindir
+        # Added to the postmaster's environment only, not the tools' (the tests fake its clock).
+        self._env = dict(env or {})
         self._run_dir = self._data_dir.parent / f"{self._data_dir.name}.run"
         self._socket_dir: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -591,6 +594,7 @@ class LocalPostgres:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self._data_dir.parent,
+                env={**os.environ, **self._env} if self._env else None,
                 start_new_session=True,
                 **as_service_user(),
             )

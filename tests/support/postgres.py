@@ -62,6 +62,7 @@ class ScratchPostgres(LocalPostgres):
         settings: dict[str, str] | None = None,
         fast: bool = True,
         bindir: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.fast = fast
         super().__init__(
@@ -70,6 +71,7 @@ class ScratchPostgres(LocalPostgres):
             settings={**STANDBY_READY, **(FAST_SETTINGS if fast else {}), **(settings or {})},
             initdb_options=["--no-sync"] if fast else [],
             bindir=bindir,
+            env=env,
         )
 
     def kill(self) -> None:
