@@ -115,6 +115,10 @@ class Runner:
             name: registry.lock(name) for name in registry
         }
         self._keys_checked = False
+        # The database's clock minus this instance's, as the last probe saw it: the done hint
+        # reads the database's time, so an instance whose clock is off still gets the hint
+        # right (it only saves work, but the lock-table scan it saves is the probe's dearest).
+        self._clock_offset = timedelta(0)
         self.leases = LeaseRunner(self)
         self.fanouts = FanoutRunner(self)
 
@@ -294,6 +298,7 @@ class Runner:
             raise translate(exc) from exc
         finally:
             await self.db.release(conn)
+        self._clock_offset = row["db_now"] - datetime.now(UTC)
         if row["standby"]:
             raise DatabaseUnavailable(STANDBY_REASON)
         if row["paused"]:
@@ -311,11 +316,12 @@ class Runner:
         return None
 
     def _done_hint(self, job: Job) -> datetime | None:
-        """The slot this instance's clock says a trigger is for, only for the probe to skip its
-        lock-table scan when that slot is done; never a decision (see `_probe`)."""
+        """The slot a trigger is likely for, by this instance's clock corrected with the offset
+        the last probe saw, only for the probe to skip its lock-table scan when that slot is
+        done; never a decision (see `_probe`)."""
         if job.schedule is None:
             return None
-        return job.schedule.slot_for(datetime.now(UTC), job.early_tolerance)
+        return job.schedule.slot_for(datetime.now(UTC) + self._clock_offset, job.early_tolerance)
 
     async def _check_keys(self, conn: Conn) -> None:
         assert self.probe_keys is not None
