@@ -84,6 +84,8 @@ CHANGE_ANSWERS = {0, 200, 404, 502, 503}
 # How much earlier than a run's start a newer version's commit time may be while the run still
 # legitimately read the older one (a commit's timestamp is taken just before it is visible).
 COMMIT_SKEW = 0.1
+# A dynamic violation lists its row's versions from this long before the run to this long after.
+VERSIONS_AROUND = timedelta(seconds=3)
 FAULTS = (
     "kill-instance",
     "freeze-instance",
@@ -479,9 +481,18 @@ def dynamic_violations(
             chain[-1] = entry  # one transaction, one committed state: its last
         else:
             chain.append(entry)
-    firsts = Counter((r["key"], r["slot"]) for r in runs if r["trigger"] == "scheduled")
+    firsts: dict[tuple[str, datetime], list[Mapping[str, Any]]] = {}
+    for r in runs:
+        if r["trigger"] == "scheduled":
+            firsts.setdefault((r["key"], r["slot"]), []).append(r)
     found += [
-        f"{DYNAMIC}/{k}: slot {s} attempted {n} times" for (k, s), n in firsts.items() if n > 1
+        f"{DYNAMIC}/{k}: slot {s.isoformat()} attempted {len(rs)} times: "
+        + ", ".join(
+            f"run {r['id']} ({r['status']} on {r['instance']}, began {_when(r['started_at'])})"
+            for r in rs
+        )
+        for (k, s), rs in firsts.items()
+        if len(rs) > 1
     ]
     skew = timedelta(seconds=COMMIT_SKEW)
     for run in runs:
@@ -504,9 +515,37 @@ def dynamic_violations(
         if not held:
             found.append(
                 f"{DYNAMIC}/{run['key']}: run {run['id']} of slot {run['slot'].isoformat()} "
-                f"(began {run['started_at'].isoformat()}) is held by no version of its row"
+                f"({run['status']} on {run['instance']}, began {_when(run['started_at'])}, "
+                f"ended {_when(run['finished_at'])}) is held by no version of its row; "
+                "its versions then:"
+                + "".join(f"\n      {line}" for line in _versions_around(chain, run, decided))
             )
     return found
+
+
+def _when(at: datetime | None) -> str:
+    return "-" if at is None else at.isoformat(timespec="milliseconds")
+
+
+def _versions_around(
+    chain: Sequence[Mapping[str, Any]], run: Mapping[str, Any], decided: datetime
+) -> list[str]:
+    """The key's versions in force from a little before the run's slot to its end (what a
+    reader of a violation needs, and not the key's whole history)."""
+    start = min(run["slot"], run["started_at"]) - VERSIONS_AROUND
+    end = decided + VERSIONS_AROUND
+    lines = []
+    for i, v in enumerate(chain):
+        following = chain[i + 1]["committed"] if i + 1 < len(chain) else None
+        if v["committed"] > end or (following is not None and following < start):
+            continue
+        expr = v["schedule"] or f"every {v['every']}s"
+        what = "" if v["op"] == "DELETE" else f" {expr}" + (" paused" if v["paused"] else "")
+        lines.append(
+            f"v{v['version']} {v['op'].lower()}{what}: set {_when(v['tx_now'])}, "
+            f"committed {_when(v['committed'])}"
+        )
+    return lines or ["(none)"]
 
 
 SCHEDULE_HISTORY_SQL = """
@@ -609,7 +648,7 @@ async def check(
         dynamic = [
             dict(r)
             for r in await db.fetch(
-                "SELECT id, key, slot, status, trigger, started_at, finished_at"
+                "SELECT id, key, slot, status, trigger, instance, started_at, finished_at"
                 " FROM cronlock.runs WHERE job = $1",
                 DYNAMIC,
             )
