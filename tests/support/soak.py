@@ -17,11 +17,12 @@ write one `soak_lease_items` row per step and are checked per attempt chain.
 Dynamic schedules: the instances run the built-in scheduler, and a changer sets, pauses and
 removes the schedules of `soak-dynamic`'s tenants over HTTP all along (`change_loop`). Every
 committed version of every row is logged by a trigger of the soak's own (`soak_schedule_log`,
-with its transaction's commit time: the server runs with track_commit_timestamp), and the
-checker holds each run against that history (`dynamic_violations`): each (key, slot) attempted
-at most once; each run's slot a tick, after its setting, of a version of the row that was
-committed, not paused, when the run decided (none for a removed row); when the soak ends the
-rows are removed, and nothing runs after.
+with its transaction's commit time: the server runs with track_commit_timestamp), a watcher
+marks when each logged version is first seen committed (`watch_log`), and the checker holds
+each run against that history (`dynamic_violations`): each (key, slot) attempted at most once;
+each run's slot a tick, after its setting, of a version of the row that was committed, not
+paused, when the run decided (none for a removed row); when the soak ends the rows are removed,
+and nothing runs after.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -42,6 +43,7 @@ import asyncpg
 import httpx
 
 from cronlock.core.schedules import slots_of
+from cronlock.errors import DRIVER_ERRORS
 from tests.soak_jobs import EFFECTS_SQL, LEASE_ITEMS_SQL
 from tests.support.cluster import Cluster
 from tests.support.delivery import API_KEY
@@ -81,9 +83,10 @@ TENANTS = [f"t{i}" for i in range(8)]
 # What a schedule change may be answered: done (200), nothing to remove (404), the database or
 # PgBouncer away (503), no answer, or nginx's own 502 for an instance killed under it.
 CHANGE_ANSWERS = {0, 200, 404, 502, 503}
-# How much earlier than a run's start a newer version's commit time may be while the run still
-# legitimately read the older one (a commit's timestamp is taken just before it is visible).
-COMMIT_SKEW = 0.1
+# Seconds between two looks of the watcher at the schedules' log (`watch_log`).
+WATCH_INTERVAL = 0.02
+# A dynamic violation lists its row's versions from this long before the run to this long after.
+VERSIONS_AROUND = timedelta(seconds=3)
 FAULTS = (
     "kill-instance",
     "freeze-instance",
@@ -133,6 +136,10 @@ class Report:
     emails: int = 0
     changes: Counter[int] = field(default_factory=Counter)  # schedule changes by answer
     dynamic: Counter[str] = field(default_factory=Counter)  # soak-dynamic's runs by status
+    # Schedule versions logged, and how long after its commit time each was seen committed:
+    # the median and the longest, seconds (`watch_log`).
+    versions: int = 0
+    seen_after: tuple[float, float] | None = None
     violations: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -147,6 +154,13 @@ class Report:
             "schedule changes: "
             + ", ".join(f"{k or 'no answer'}: {v}" for k, v in sorted(self.changes.items())),
             "dynamic runs: " + ", ".join(f"{k} {v}" for k, v in sorted(self.dynamic.items())),
+            f"schedule versions: {self.versions}"
+            + (
+                ""
+                if self.seen_after is None
+                else f", seen committed {self.seen_after[0] * 1000:.0f} ms after their commit"
+                f" time (median), {self.seen_after[1] * 1000:.0f} ms at most"
+            ),
             f"violations: {len(self.violations)}",
             *(f"  {v}" for v in self.violations),
         ]
@@ -168,7 +182,8 @@ CREATE TABLE IF NOT EXISTS public.soak_schedule_log (
     paused   boolean,
     next_at  timestamptz,
     tx_now   timestamptz NOT NULL,
-    xid      bigint NOT NULL
+    xid      bigint NOT NULL,
+    seen     timestamptz  -- by when it was visible: `watch_log`
 );
 CREATE OR REPLACE FUNCTION public.soak_schedule_log() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -213,6 +228,51 @@ async def prepare(dsn: str) -> None:
         )
     finally:
         await conn.close()
+
+
+# The watcher's look: each entry not seen yet that this statement's snapshot holds gets the
+# time of its update, which comes after the snapshot: by then its commit was visible.
+MARK_SEEN_SQL = "UPDATE public.soak_schedule_log SET seen = clock_timestamp() WHERE seen IS NULL"
+
+
+async def watch_log(dsn: str, stop: asyncio.Event) -> None:
+    """Mark each version in the schedules' log with a time by which its commit was visible
+    (`seen`), every WATCH_INTERVAL until `stop`: directly on PostgreSQL, so that PgBouncer's
+    faults do not blind it, and again after each restart or crash of PostgreSQL.
+
+    The checker needs it because a commit's time (`committed`) is taken before the commit
+    becomes visible, by as long as its backend waits in between: on a loaded machine a run can
+    begin well after a newer version's commit time and still rightly read the older one (see
+    `dynamic_violations`)."""
+    conn: asyncpg.Connection | None = None
+    try:
+        while not stop.is_set():
+            pause = WATCH_INTERVAL
+            try:
+                if conn is None:
+                    conn = await asyncpg.connect(dsn, timeout=2)
+                await conn.execute(MARK_SEEN_SQL, timeout=2)
+            except DRIVER_ERRORS:
+                if conn is not None:
+                    conn.terminate()
+                conn, pause = None, 0.2  # PostgreSQL is away: look again shortly
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause)
+    finally:
+        if conn is not None:
+            conn.terminate()
+
+
+@contextlib.asynccontextmanager
+async def watching(dsn: str) -> AsyncIterator[None]:
+    """`watch_log` in the background for the block's duration."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(watch_log(dsn, stop), name="soak:watch-log")
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
 
 
 class Injector:
@@ -341,7 +401,8 @@ async def soak(
     start = time.monotonic()
     stop = start + seconds
     injector = Injector(cluster, postgres, random.Random(seed), report)
-    async with httpx.AsyncClient(limits=httpx.Limits(keepalive_expiry=2.0)) as client:
+    limits = httpx.Limits(keepalive_expiry=2.0)
+    async with watching(dsn), httpx.AsyncClient(limits=limits) as client:
         for tenant in TENANTS:  # every tenant starts with a schedule, every second
             response = await client.put(
                 f"{base}/cron/jobs/{DYNAMIC}/schedules/{tenant}",
@@ -467,10 +528,21 @@ def dynamic_violations(
     log: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, Any]], now: datetime
 ) -> list[str]:
     """`soak-dynamic`'s runs against its rows' history (`log`: committed versions with their
-    commit time, `committed`): each (key, slot) attempted at most once; each run's slot a tick
-    of a version of its row, not paused, committed before the run decided (before it ended)
-    and not yet replaced when it began (less COMMIT_SKEW), and after that version was set.
-    A removed row has no version: a run that began after the removal committed has none."""
+    commit time, `committed`, and a time by which their commit was visible, `seen`): each
+    (key, slot) attempted at most once; each run's slot a tick, after that version was set, of
+    a version of its row, not paused, that the run's decision could read: committed before the
+    run ended, and not yet replaced when it began. A removed row has no version: a run that
+    began after the removal was seen has none.
+
+    The run decides under its lock, between its start (`started_at`, its transaction's) and its
+    end, reading the row as then visible. A version whose commit time is after the run ended
+    was not visible to it. A version replaced is judged by when its successor was *seen*, not
+    by the successor's commit time: PostgreSQL takes a commit's time before the commit becomes
+    visible, by as long as the committing backend waits in between (a backend stopped there
+    for 0.3 s made one visible 0.31 s after its commit time), so on a loaded machine a run may
+    begin after a newer version's commit time and still rightly read the older one. Once a
+    successor was seen, every run beginning after read it: no allowance is needed, and none
+    is made."""
     found: list[str] = []
     versions: dict[str, list[Mapping[str, Any]]] = {}
     for entry in sorted(log, key=lambda e: (e["committed"], e["id"])):
@@ -479,11 +551,19 @@ def dynamic_violations(
             chain[-1] = entry  # one transaction, one committed state: its last
         else:
             chain.append(entry)
-    firsts = Counter((r["key"], r["slot"]) for r in runs if r["trigger"] == "scheduled")
+    firsts: dict[tuple[str, datetime], list[Mapping[str, Any]]] = {}
+    for r in runs:
+        if r["trigger"] == "scheduled":
+            firsts.setdefault((r["key"], r["slot"]), []).append(r)
     found += [
-        f"{DYNAMIC}/{k}: slot {s} attempted {n} times" for (k, s), n in firsts.items() if n > 1
+        f"{DYNAMIC}/{k}: slot {s.isoformat()} attempted {len(rs)} times: "
+        + ", ".join(
+            f"run {r['id']} ({r['status']} on {r['instance']}, began {_when(r['started_at'])})"
+            for r in rs
+        )
+        for (k, s), rs in firsts.items()
+        if len(rs) > 1
     ]
-    skew = timedelta(seconds=COMMIT_SKEW)
     for run in runs:
         if run["trigger"] != "scheduled":
             found.append(f"{DYNAMIC} run {run['id']}: trigger {run['trigger']}, not the dispatcher")
@@ -492,10 +572,10 @@ def dynamic_violations(
         decided = run["finished_at"] or now
         held = False
         for i, v in enumerate(chain):
-            after = chain[i + 1]["committed"] if i + 1 < len(chain) else None
+            replaced = chain[i + 1]["seen"] if i + 1 < len(chain) else None
             if v["op"] == "DELETE" or v["paused"] or v["committed"] > decided:
                 continue
-            if after is not None and after + skew < run["started_at"]:
+            if replaced is not None and replaced < run["started_at"]:
                 continue
             slots = slots_of(v["schedule"], v["every"], v["tz"])
             if slots.is_tick(run["slot"]) and v["tx_now"] < run["slot"] <= run["started_at"]:
@@ -504,9 +584,37 @@ def dynamic_violations(
         if not held:
             found.append(
                 f"{DYNAMIC}/{run['key']}: run {run['id']} of slot {run['slot'].isoformat()} "
-                f"(began {run['started_at'].isoformat()}) is held by no version of its row"
+                f"({run['status']} on {run['instance']}, began {_when(run['started_at'])}, "
+                f"ended {_when(run['finished_at'])}) is held by no version of its row; "
+                "its versions then:"
+                + "".join(f"\n      {line}" for line in _versions_around(chain, run, decided))
             )
     return found
+
+
+def _when(at: datetime | None) -> str:
+    return "-" if at is None else at.isoformat(timespec="milliseconds")
+
+
+def _versions_around(
+    chain: Sequence[Mapping[str, Any]], run: Mapping[str, Any], decided: datetime
+) -> list[str]:
+    """The key's versions in force from a little before the run's slot to its end (what a
+    reader of a violation needs, and not the key's whole history)."""
+    start = min(run["slot"], run["started_at"]) - VERSIONS_AROUND
+    end = decided + VERSIONS_AROUND
+    lines = []
+    for i, v in enumerate(chain):
+        following = chain[i + 1]["committed"] if i + 1 < len(chain) else None
+        if v["committed"] > end or (following is not None and following < start):
+            continue
+        expr = v["schedule"] or f"every {v['every']}s"
+        what = "" if v["op"] == "DELETE" else f" {expr}" + (" paused" if v["paused"] else "")
+        lines.append(
+            f"v{v['version']} {v['op'].lower()}{what}: set {_when(v['tx_now'])}, "
+            f"committed {_when(v['committed'])}, seen {_when(v['seen'])}"
+        )
+    return lines or ["(none)"]
 
 
 SCHEDULE_HISTORY_SQL = """
@@ -605,11 +713,16 @@ async def check(
         found += [
             f"schedule change answered {k}" for k in report.changes if k not in CHANGE_ANSWERS
         ]
+        # Versions committed since the watcher's last look (none, normally) are seen now.
+        await db.execute(MARK_SEEN_SQL)
         log = [dict(r) for r in await db.fetch(SCHEDULE_HISTORY_SQL, DYNAMIC)]
+        lags = sorted((e["seen"] - e["committed"]).total_seconds() for e in log)
+        report.versions = len(log)
+        report.seen_after = (lags[len(lags) // 2], lags[-1]) if lags else None
         dynamic = [
             dict(r)
             for r in await db.fetch(
-                "SELECT id, key, slot, status, trigger, started_at, finished_at"
+                "SELECT id, key, slot, status, trigger, instance, started_at, finished_at"
                 " FROM cronlock.runs WHERE job = $1",
                 DYNAMIC,
             )
