@@ -63,9 +63,12 @@ async def test_reset_session_keeps_only_what_is_left_of_the_transaction_timeout(
         assert row["locked"]
         assert await setting_ms(conn, "transaction_timeout") == 30_000
         await conn.execute("SET work_mem = '77MB'")
+        await conn.execute(CREATE_OTHER_ROLE)
+        await conn.execute(f"SET ROLE {OTHER_ROLE}")
         await conn.execute("SELECT pg_advisory_lock(5)")
         await conn.execute("SELECT pg_sleep(0.5)")
         await reset_session(conn, db_timeout=30, client_check_interval=1, server_version=version)
+        assert await conn.fetchval("SELECT current_user = session_user")
         left = await setting_ms(conn, "transaction_timeout")
         assert 25_000 < left <= 29_500, left
         assert await setting_ms(conn, "statement_timeout") == 30_000
@@ -111,6 +114,13 @@ async def test_a_run_on_the_newest_server_clears_the_session_it_leaves(
         await db.close()
 
 
+# A role an item or a job switches to (roles are the server's: made once, kept).
+OTHER_ROLE = "cronlock_test_other"
+CREATE_OTHER_ROLE = f"""
+DO $$ BEGIN CREATE ROLE {OTHER_ROLE}; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+GRANT {OTHER_ROLE} TO current_user
+"""
+
 FANOUT_SQL = """
 INSERT INTO cronlock.runs (id, job, trigger, instance) OVERRIDING SYSTEM VALUE
 VALUES (1, 'fan', 'manual', 'test');
@@ -139,6 +149,10 @@ async def migrated(
         await migrate(c, "cronlock", migration_sets([]))
         await c.close()
     c = await asyncpg.connect(url, statement_cache_size=0)
+    await c.execute(CREATE_OTHER_ROLE)
+    # An item that switches to a role which may not use cronlock's schema fails its mark (and
+    # rolls the switch back with its attempt); one that may is switched back by the mark.
+    await c.execute(f"GRANT USAGE ON SCHEMA cronlock TO {OTHER_ROLE}")
     yield c
     await c.close()
 
@@ -170,6 +184,7 @@ async def test_a_fanout_item_s_two_calls_set_its_timeouts_and_clear_its_session(
             assert await setting_ms(conn, "transaction_timeout") == 30_000
         await conn.execute("SET work_mem = '77MB'")
         await conn.execute("SET search_path = nowhere")
+        await conn.execute(f"SET ROLE {OTHER_ROLE}")
         await conn.execute("SET statement_timeout = 0")
         await conn.execute("SELECT pg_advisory_lock(5)")
         await conn.execute("LISTEN careless")
@@ -182,6 +197,7 @@ async def test_a_fanout_item_s_two_calls_set_its_timeouts_and_clear_its_session(
         assert left == 0  # item 0 was its shard's only one
         assert await conn.fetchval("SELECT current_setting('work_mem')") == "4MB"
         assert await conn.fetchval("SELECT current_setting('search_path')") == '"$user", public'
+        assert await conn.fetchval("SELECT current_user = session_user")
         assert await setting_ms(conn, "statement_timeout") == 30_000
         assert await setting_ms(conn, "idle_in_transaction_session_timeout") == 30_000
         assert await setting_ms(conn, "client_connection_check_interval") == 1_000
@@ -201,6 +217,11 @@ async def test_a_fanout_item_s_two_calls_set_its_timeouts_and_clear_its_session(
     ]
     shards = await conn.fetch("SELECT remaining, done FROM cronlock.fanout_shards ORDER BY shard")
     assert [tuple(r) for r in shards] == [(0, 1), (1, 0)]
+    async with conn.transaction():  # a check interval of 0 (off) stays 0
+        assert await fanout.claim(
+            conn, "cronlock", 1, db_timeout=30, client_check_interval=0, server_version=version
+        ) is not None  # fmt: skip
+        assert await setting_ms(conn, "client_connection_check_interval") == 0
     async with conn.transaction():  # settled already: nothing counted twice
         assert await fanout.succeeded(
             conn, "cronlock", active, 0, None, instance="test",

@@ -47,7 +47,7 @@ from typing import Any
 import asyncpg
 
 from cronlock.core.jobs import JobContext, Trigger
-from cronlock.db.lock import ms, ms_setting
+from cronlock.db.lock import interval_setting, ms, ms_setting
 from cronlock.db.pool import Conn
 from cronlock.sql import qualify
 
@@ -381,7 +381,7 @@ async def claim(
         qualify(CLAIM_SQL, schema),
         fanout_id,
         timeout,
-        ms_setting(client_check_interval),
+        interval_setting(client_check_interval),
         transaction_timeout,
     )
 
@@ -409,7 +409,7 @@ async def succeeded(
         instance,
         a.shards,
         ms_setting(db_timeout),
-        ms_setting(client_check_interval),
+        interval_setting(client_check_interval),
         transaction_ms,
     )
     return int(value) if value is not None else None

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import asyncpg
-from asyncpg.pool import PoolConnectionProxy
 from pydantic import ValidationError
 
 from cronlock.core import fanout, ledger, pause
@@ -40,7 +39,7 @@ from cronlock.core.lease_runner import RunnerParts
 from cronlock.core.outcome import Outcome, annotate
 from cronlock.db import pool as db
 from cronlock.db.lock import lock_text, reset_session, try_lock
-from cronlock.db.pool import Conn, Database, deadline, terminate
+from cronlock.db.pool import Conn, deadline, terminate
 from cronlock.errors import (
     DATABASE_ERRORS,
     DRIVER_ERRORS,
@@ -89,40 +88,6 @@ def _closed(conn: Conn) -> bool:
         return conn.is_closed()
     except asyncpg.InterfaceError:
         return True
-
-
-class Held:
-    """A worker's pooled connection, kept from one item to the next while items keep coming
-    (an acquire and a release an item were a sixth of the worker's own time), given back
-    when the worker finds nothing to do or its connection is gone."""
-
-    def __init__(self, db: Database) -> None:
-        self.db = db
-        self.conn: PoolConnectionProxy | None = None
-
-    async def get(self) -> PoolConnectionProxy:
-        conn = self.conn
-        if conn is not None:
-            # As the pool's acquire checks: a connection to a primary this instance has
-            # seen replaced since (a failover) takes no more items.
-            reason = self.db.stale(conn)
-            if reason is None:
-                return conn
-            terminate(conn)
-            await self.release()
-            raise DatabaseUnavailable(reason)
-        self.conn = conn = await self.db.acquire()
-        return conn
-
-    async def keep(self, conn: PoolConnectionProxy) -> None:
-        """After an item: kept, unless it is closed (then back to the pool, which drops it)."""
-        if _closed(conn):
-            await self.release()
-
-    async def release(self) -> None:
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            await self.db.release(conn)
 
 
 class FanoutRunner:
@@ -523,31 +488,26 @@ class FanoutRunner:
             await asyncio.wait(tasks, timeout=2.0)
 
     async def _worker(self, stop: asyncio.Event) -> None:
-        held = Held(self.db)
-        try:
-            while not stop.is_set():
-                worked = False
-                try:
-                    if self.db.migrated:
-                        await self._refresh()
-                        for a in list(self.active):
-                            if stop.is_set():
-                                return
-                            if await self._one(a, held):
-                                worked = True
-                                break
-                except asyncio.CancelledError:
-                    raise
-                except DatabaseUnavailable as exc:
-                    log.debug("fan-out worker: %s", exc.reason)
-                except Exception:
-                    log.exception("fan-out worker failed; going on")
-                if not worked:
-                    await held.release()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._idle(stop), self.settings.fanout_poll_interval)
-        finally:
-            await held.release()
+        while not stop.is_set():
+            worked = False
+            try:
+                if self.db.migrated:
+                    await self._refresh()
+                    for a in list(self.active):
+                        if stop.is_set():
+                            return
+                        if await self._one(a):
+                            worked = True
+                            break
+            except asyncio.CancelledError:
+                raise
+            except DatabaseUnavailable as exc:
+                log.debug("fan-out worker: %s", exc.reason)
+            except Exception:
+                log.exception("fan-out worker failed; going on")
+            if not worked:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._idle(stop), self.settings.fanout_poll_interval)
 
     async def _idle(self, stop: asyncio.Event) -> None:
         waiters = [asyncio.ensure_future(self.wake.wait()), asyncio.ensure_future(stop.wait())]
@@ -601,16 +561,15 @@ class FanoutRunner:
         )
         self.runner.log_outcome(outcome, "fanout")
 
-    async def _one(self, a: Active, held: Held) -> bool:
-        """Claim one item of `a` and work it on the worker's connection; False when it has
-        none to give now."""
+    async def _one(self, a: Active) -> bool:
+        """Claim one item of `a` and work it; False when it has none to give now."""
         settings, schema = self.settings, self.schema
         job = self.jobs[a.job]
         spec = job.fanout
         assert spec is not None
         assert spec.each is not None
         db_timeout = spec.timeout + settings.db_timeout_margin
-        conn = await held.get()
+        conn = await self.db.acquire()
         tx = conn.transaction(isolation="read_committed")
         settled = False
         task: asyncio.Task[Any] | None = None
@@ -730,7 +689,7 @@ class FanoutRunner:
                         await tx.rollback()
                 except Exception:
                     terminate(conn)
-            await held.keep(conn)
+            await self.db.release(conn)
             spans.close()
 
     @staticmethod

@@ -284,6 +284,7 @@ class Runner:
                     await self._check_keys(conn)
                     if self.probe_keys is None:
                         return None
+                sent = datetime.now(UTC)
                 row = await probe(
                     conn,
                     self.settings.db_schema,
@@ -298,7 +299,9 @@ class Runner:
             raise translate(exc) from exc
         finally:
             await self.db.release(conn)
-        self._clock_offset = row["db_now"] - datetime.now(UTC)
+        # Taken as the probe left: the round trip makes the hint run a little ahead, which
+        # at worst costs the lock-table scan, never the real attempt a lagging hint would.
+        self._clock_offset = row["db_now"] - sent
         if row["standby"]:
             raise DatabaseUnavailable(STANDBY_REASON)
         if row["paused"]:

@@ -224,6 +224,12 @@ def ms_setting(seconds: float) -> str:
     return f"{ms(seconds)}ms"
 
 
+def interval_setting(seconds: float) -> str:
+    """Seconds as `client_connection_check_interval`'s value, where 0 is kept: it turns the
+    check off (the only value a server without the check accepts)."""
+    return f"{int(seconds * 1000)}ms"
+
+
 async def try_lock(
     conn: Conn,
     name: str,
@@ -242,15 +248,16 @@ async def try_lock(
         name,
         namespace,
         ms_setting(db_timeout),
-        f"{int(client_check_interval * 1000)}ms",
+        interval_setting(client_check_interval),
     )
     assert row is not None
     return row
 
 
 # Run inside the lock transaction, after the job and before its ledger row: undo the session
-# state a job may have left on the connection (a plain SET, a session advisory lock, a LISTEN,
-# a WITH HOLD cursor). Committed with the run, it cannot outlive it: through PgBouncer the
+# state a job may have left on the connection (a plain SET, a SET ROLE or SET SESSION
+# AUTHORIZATION, which RESET ALL leaves be, a session advisory lock, a LISTEN, a WITH HOLD
+# cursor). Committed with the run, it cannot outlive it: through PgBouncer the
 # server connection goes to other clients next, and the pool's own reset (cronlock/db/pool.py) is
 # not run per release. RESET ALL drops the lock statement's timeouts too, so they are set again;
 # `transaction_timeout` restarts when set, so it gets what is left of its budget, counted from
@@ -259,6 +266,8 @@ async def try_lock(
 # COMMIT DROP) and SQL-level PREPARE.
 RESET_SESSION_SQL = """
 RESET ALL;
+RESET SESSION AUTHORIZATION;
+RESET ROLE;
 SELECT pg_advisory_unlock_all();
 UNLISTEN *;
 CLOSE ALL;
@@ -277,7 +286,7 @@ async def reset_session(
     )
     timeouts = timeouts_sql(
         f"'{timeout_ms}ms'",
-        f"'{int(client_check_interval * 1000)}ms'",
+        f"'{interval_setting(client_check_interval)}'",
         left if server_version >= 170000 else None,
     )
     await conn.execute(RESET_SESSION_SQL.format(timeouts=timeouts))

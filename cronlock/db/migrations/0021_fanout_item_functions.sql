@@ -2,8 +2,8 @@
 -- as functions: PL/pgSQL keeps their plans for the life of the server connection, where a
 -- parameterised statement is parsed and planned again at every item (the client keeps no
 -- prepared statements behind PgBouncer; 0003_probe.sql does the same for the trigger's
--- probe). Together with the session reset folded into the second one, this took the
--- database's time per item from about twice the bare claim + write + mark loop's to 1.2 x
+-- probe). Together with the session reset folded into the mark, this took the database's
+-- time per item from about twice the bare claim + write + mark loop's to 1.3 x
 -- (bench/fanout.py, BENCHMARKS.md).
 
 -- One pending item of a running, uncancelled fan-out, locked (SKIP LOCKED, in plan order),
@@ -40,16 +40,13 @@ BEGIN
 END
 $$;
 
--- Item `p_n` succeeded: first what the item function set for the session goes (the
--- connection returns to the pool after this transaction, and through PgBouncer to other
--- clients: cronlock/db/lock.py RESET_SESSION_SQL says the same for a job) and the timeouts
--- are set again, the transaction's remaining time for `transaction_timeout` (17+, else NULL);
--- then the item is marked and taken off its shard's counter. Returns the counter's new
--- value, or NULL when the item was settled already.
--- No SET clause here, unlike the claim: a function's SET clause restores its variables at
--- exit, which would undo this RESET ALL for them. RESET ALL runs first, so the statements
--- after it see the default search_path (pg_catalog first) whatever the item set; every
--- table is named with the schema.
+-- Item `p_n` succeeded, in two functions. This one clears what the item function left on the
+-- session (the connection returns to the pool after this transaction, and through PgBouncer
+-- to other clients; cronlock/db/lock.py RESET_SESSION_SQL does the same for a job): its
+-- settings, a SET ROLE or SET SESSION AUTHORIZATION (which RESET ALL leaves be), session
+-- advisory locks, LISTENs and open cursors. It has no SET clause: a function's SET clause
+-- restores its variables at exit, which would undo this RESET ALL for them. The portal
+-- running it is active, and CLOSE ALL leaves active portals be.
 CREATE FUNCTION {schema}.fanout_item_succeeded(p_fanout bigint, p_n integer, p_result jsonb,
                                                p_instance text, p_shards integer,
                                                p_timeout text, p_check text,
@@ -57,19 +54,40 @@ CREATE FUNCTION {schema}.fanout_item_succeeded(p_fanout bigint, p_n integer, p_r
 RETURNS integer
 LANGUAGE plpgsql
 AS $$
+BEGIN
+    RESET ALL;
+    RESET SESSION AUTHORIZATION;
+    RESET ROLE;
+    PERFORM pg_catalog.pg_advisory_unlock_all();
+    UNLISTEN *;
+    EXECUTE 'CLOSE ALL';
+    RETURN {schema}.fanout_item_settle(p_fanout, p_n, p_result, p_instance, p_shards,
+                                       p_timeout, p_check, p_transaction_timeout_ms);
+END
+$$;
+
+-- Then this one, with its search_path pinned (whatever the role's or database's default puts
+-- ahead of pg_catalog, its operators are pg_catalog's): the timeouts set again (they stay for
+-- the rest of the transaction: the pinned search_path is all the SET clause restores), the
+-- transaction's remaining time for `transaction_timeout` (PostgreSQL 17+, else NULL), then
+-- the item marked and taken off its shard's counter. Returns the counter's new value, or
+-- NULL when the item was settled already.
+CREATE FUNCTION {schema}.fanout_item_settle(p_fanout bigint, p_n integer, p_result jsonb,
+                                            p_instance text, p_shards integer,
+                                            p_timeout text, p_check text,
+                                            p_transaction_timeout_ms bigint)
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
 DECLARE
     left_ integer;
 BEGIN
-    RESET ALL;
-    PERFORM pg_catalog.pg_advisory_unlock_all();
-    UNLISTEN *;
-    -- The portal running this function is active, and CLOSE ALL leaves active portals be.
-    EXECUTE 'CLOSE ALL';
-    PERFORM pg_catalog.set_config('statement_timeout', p_timeout, true),
-            pg_catalog.set_config('idle_in_transaction_session_timeout', p_timeout, true),
-            pg_catalog.set_config('client_connection_check_interval', p_check, true);
+    PERFORM set_config('statement_timeout', p_timeout, true),
+            set_config('idle_in_transaction_session_timeout', p_timeout, true),
+            set_config('client_connection_check_interval', p_check, true);
     IF p_transaction_timeout_ms IS NOT NULL THEN
-        PERFORM pg_catalog.set_config(
+        PERFORM set_config(
             'transaction_timeout',
             greatest(1, p_transaction_timeout_ms
                         - (extract(epoch FROM clock_timestamp() - now()) * 1000)::bigint)
