@@ -6,26 +6,16 @@ writes its effect into `zone_effects` (key NULL) in its transaction, as the dyna
 from __future__ import annotations
 
 from cronlock.core.jobs import JobContext, job
-
-
-async def _effect(ctx: JobContext) -> int:
-    await ctx.conn.execute(
-        "INSERT INTO zone_effects (key, slot, run_id, instance) VALUES ($1, $2, $3, $4)",
-        ctx.key,
-        ctx.slot,
-        ctx.run_id,
-        ctx.instance,
-    )
-    return 1
+from tests.zone_jobs import record_effect
 
 
 @job("berlin-two", schedule="0 2 * * *", tz="Europe/Berlin", timeout=10)
 async def berlin_two(ctx: JobContext) -> int:
     """A fixed hour: the gap's 02:00 runs at the change, the repeated 02:00 CET does not."""
-    return await _effect(ctx)
+    return await record_effect(ctx)
 
 
 @job("berlin-minutely", schedule="* * * * *", tz="Europe/Berlin", timeout=10)
 async def berlin_minutely(ctx: JobContext) -> int:
     """A wildcard hour: the real clock's minutes."""
-    return await _effect(ctx)
+    return await record_effect(ctx)

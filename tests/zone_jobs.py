@@ -36,6 +36,11 @@ class Tenant(BaseModel):
 )
 async def zone_report(ctx: JobContext) -> int:
     """One customer's report, at the customer's local time."""
+    return await record_effect(ctx)
+
+
+async def record_effect(ctx: JobContext) -> int:
+    """The run's effect row, in its transaction (tests/dst_jobs.py's jobs write one too)."""
     await ctx.conn.execute(
         "INSERT INTO zone_effects (key, slot, run_id, instance) VALUES ($1, $2, $3, $4)",
         ctx.key,
