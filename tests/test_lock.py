@@ -121,6 +121,35 @@ DO $$ BEGIN CREATE ROLE {OTHER_ROLE}; EXCEPTION WHEN duplicate_object THEN NULL;
 GRANT {OTHER_ROLE} TO current_user
 """
 
+
+@pytest.mark.parametrize("migrated", ["newest server"], indirect=True)
+@pytest.mark.parametrize("path", ["lock", "fan-out item"])
+async def test_a_default_transaction_timeout_gives_way_to_cronlock_s(
+    migrated: asyncpg.Connection, path: str
+) -> None:
+    """A transaction_timeout of the session's own (a role's or database's default alike: its
+    timer starts at BEGIN) is replaced by the lock's or the item's, not left to end the run
+    early: setting it while its timer runs would keep that timer."""
+    conn = migrated
+    version = conn.get_server_version().major * 10000
+    assert version >= 170000, "transaction_timeout exists from PostgreSQL 17"
+    await conn.execute(FANOUT_SQL)
+    await conn.execute("SET transaction_timeout = '1s'")
+    async with conn.transaction():
+        if path == "lock":
+            row = await try_lock(
+                conn, "tt", 0, db_timeout=30, client_check_interval=1, server_version=version
+            )
+            assert row["locked"]
+        else:
+            assert await fanout.claim(
+                conn, "cronlock", 1, db_timeout=30, client_check_interval=1,
+                server_version=version,
+            ) is not None  # fmt: skip
+        await conn.execute("SELECT pg_sleep(1.5)")
+        assert await conn.fetchval("SELECT 1") == 1
+
+
 FANOUT_SQL = """
 INSERT INTO cronlock.runs (id, job, trigger, instance) OVERRIDING SYSTEM VALUE
 VALUES (1, 'fan', 'manual', 'test');

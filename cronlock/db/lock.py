@@ -192,6 +192,9 @@ def timeouts_sql(timeout: str, check: str, transaction_timeout: str | None) -> s
         f"set_config('client_connection_check_interval', {check}, true)",
     ]
     if transaction_timeout is not None:
+        # Off first: setting it while its timer runs (a role's or database's own default,
+        # started at BEGIN) keeps that timer; off stops it, and the new value starts afresh.
+        items.append("set_config('transaction_timeout', '0', true)")
         items.append(f"set_config('transaction_timeout', {transaction_timeout}, true)")
     return ",\n       ".join(items)
 
@@ -260,8 +263,8 @@ async def try_lock(
 # cursor). Committed with the run, it cannot outlive it: through PgBouncer the
 # server connection goes to other clients next, and the pool's own reset (cronlock/db/pool.py) is
 # not run per release. RESET ALL drops the lock statement's timeouts too, so they are set again;
-# `transaction_timeout` restarts when set, so it gets what is left of its budget, counted from
-# the transaction's start (now()). Literals, not parameters: a multi-statement string goes as
+# `transaction_timeout` restarts when set (turned off first, see `timeouts_sql`), so it gets
+# what is left of its budget, counted from the transaction's start (now()). Literals, not parameters: a multi-statement string goes as
 # one simple query, one round trip. Not undone: temporary tables (a job creates them ON
 # COMMIT DROP) and SQL-level PREPARE.
 RESET_SESSION_SQL = """

@@ -24,6 +24,9 @@ BEGIN
             set_config('idle_in_transaction_session_timeout', p_timeout, true),
             set_config('client_connection_check_interval', p_check, true);
     IF p_transaction_timeout IS NOT NULL THEN
+        -- Off first: set while its timer runs (a role's or database's default, started at
+        -- BEGIN), it would keep that timer; off stops it, and the new value starts afresh.
+        PERFORM set_config('transaction_timeout', '0', true);
         PERFORM set_config('transaction_timeout', p_transaction_timeout, true);
     END IF;
     RETURN QUERY
@@ -87,6 +90,7 @@ BEGIN
             set_config('idle_in_transaction_session_timeout', p_timeout, true),
             set_config('client_connection_check_interval', p_check, true);
     IF p_transaction_timeout_ms IS NOT NULL THEN
+        PERFORM set_config('transaction_timeout', '0', true);  -- off first, as in the claim
         PERFORM set_config(
             'transaction_timeout',
             greatest(1, p_transaction_timeout_ms
