@@ -260,13 +260,13 @@ async def try_lock(
 # Run inside the lock transaction, after the job and before its ledger row: undo the session
 # state a job may have left on the connection (a plain SET, a SET ROLE or SET SESSION
 # AUTHORIZATION, which RESET ALL leaves be, a session advisory lock, a LISTEN, a WITH HOLD
-# cursor). Committed with the run, it cannot outlive it: through PgBouncer the
-# server connection goes to other clients next, and the pool's own reset (cronlock/db/pool.py) is
-# not run per release. RESET ALL drops the lock statement's timeouts too, so they are set again;
+# cursor). Committed with the run, it cannot outlive it: through PgBouncer the server
+# connection goes to other clients next, and the pool's own reset (cronlock/db/pool.py) is not
+# run per release. RESET ALL drops the lock statement's timeouts too, so they are set again;
 # `transaction_timeout` restarts when set (turned off first, see `timeouts_sql`), so it gets
-# what is left of its budget, counted from the transaction's start (now()). Literals, not parameters: a multi-statement string goes as
-# one simple query, one round trip. Not undone: temporary tables (a job creates them ON
-# COMMIT DROP) and SQL-level PREPARE.
+# what is left of its budget, counted from the transaction's start (now()). Literals, not
+# parameters: a multi-statement string goes as one simple query, one round trip. Not undone:
+# temporary tables (a job creates them ON COMMIT DROP) and SQL-level PREPARE.
 RESET_SESSION_SQL = """
 RESET ALL;
 RESET SESSION AUTHORIZATION;
