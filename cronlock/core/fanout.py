@@ -375,14 +375,12 @@ async def claim(
     server_version: int,
 ) -> asyncpg.Record | None:
     """One pending item of the fan-out, locked, with the transaction's timeouts set."""
-    timeout = ms_setting(db_timeout)
-    transaction_timeout = timeout if server_version >= 170000 else None
     return await conn.fetchrow(
         qualify(CLAIM_SQL, schema),
         fanout_id,
-        timeout,
+        ms_setting(db_timeout),
         interval_setting(client_check_interval),
-        transaction_timeout,
+        ms(db_timeout) if server_version >= 170000 else None,
     )
 
 
@@ -400,7 +398,6 @@ async def succeeded(
 ) -> int | None:
     """Reset the item's session and settle item `n` succeeded; its shard's counter after it
     (None: settled already by another)."""
-    transaction_ms = ms(db_timeout) if server_version >= 170000 else None
     value = await conn.fetchval(
         qualify(SUCCEEDED_SQL, schema),
         a.id,
@@ -410,7 +407,7 @@ async def succeeded(
         a.shards,
         ms_setting(db_timeout),
         interval_setting(client_check_interval),
-        transaction_ms,
+        ms(db_timeout) if server_version >= 170000 else None,
     )
     return int(value) if value is not None else None
 

@@ -167,6 +167,7 @@ async def retry_items(
                     )
                     await reset_session(
                         conn,
+                        settings.db_schema,
                         db_timeout=settings.db_query_timeout + settings.db_timeout_margin,
                         client_check_interval=settings.db_client_check_interval,
                         server_version=db.server_version,

@@ -288,6 +288,7 @@ class FanoutRunner:
                 with deadline(conn, settings.db_query_timeout):
                     await reset_session(
                         conn,
+                        settings.db_schema,
                         db_timeout=job.timeout + settings.db_timeout_margin,
                         client_check_interval=settings.db_client_check_interval,
                         server_version=self.db.server_version,

@@ -703,6 +703,7 @@ class Runner:
             with deadline(lease.conn, self.settings.db_query_timeout):
                 await reset_session(
                     lease.conn,
+                    self.settings.db_schema,
                     db_timeout=lease.job.timeout + self.settings.db_timeout_margin,
                     client_check_interval=self.settings.db_client_check_interval,
                     server_version=self.db.server_version,

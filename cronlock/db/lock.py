@@ -183,9 +183,10 @@ async def verify_keys(conn: Conn, names: list[str], namespace: int) -> dict[str,
 
 def timeouts_sql(timeout: str, check: str, transaction_timeout: str | None) -> str:
     """The lock transaction's timeouts as select-list items (SET takes no bind parameters;
-    set_config(..., true) is its transaction-local form). Each argument is SQL: a parameter
-    in the lock statement, literals in `reset_session`; `transaction_timeout` exists from
-    PostgreSQL 17 (None before)."""
+    set_config(..., true) is its transaction-local form). Each argument is SQL, a parameter of
+    the lock statement; `transaction_timeout` exists from PostgreSQL 17 (None before). The
+    session reset and the fan-out claim set the same through migration 0021's
+    `set_timeouts`."""
     items = [
         f"set_config('statement_timeout', {timeout}, true)",
         f"set_config('idle_in_transaction_session_timeout', {timeout}, true)",
@@ -259,40 +260,36 @@ async def try_lock(
 
 # Run inside the lock transaction, after the job and before its ledger row: undo the session
 # state a job may have left on the connection (a plain SET, a SET ROLE or SET SESSION
-# AUTHORIZATION, which RESET ALL leaves be, a session advisory lock, a LISTEN, a WITH HOLD
-# cursor). Committed with the run, it cannot outlive it: through PgBouncer the server
-# connection goes to other clients next, and the pool's own reset (cronlock/db/pool.py) is not
-# run per release. RESET ALL drops the lock statement's timeouts too, so they are set again;
-# `transaction_timeout` restarts when set (turned off first, see `timeouts_sql`), so it gets
-# what is left of its budget, counted from the transaction's start (now()). Literals, not
-# parameters: a multi-statement string goes as one simple query, one round trip. Not undone:
-# temporary tables (a job creates them ON COMMIT DROP) and SQL-level PREPARE.
+# AUTHORIZATION, a session advisory lock, a LISTEN, a WITH HOLD cursor) and set the timeouts
+# again, `transaction_timeout` to what is left of its budget. Committed with the run, it cannot
+# outlive it: through PgBouncer the server connection goes to other clients next, and the
+# pool's own reset (cronlock/db/pool.py) is not run per release. The list is the
+# `session_reset` function's (migration 0021), which a fan-out item's mark calls too; the role
+# comes back first, here, as a role the job switched to may not use cronlock's schema.
+# Literals, not parameters: a multi-statement string goes as one simple query, one round
+# trip. Not undone: temporary tables (a job creates them ON COMMIT DROP) and SQL-level PREPARE.
 RESET_SESSION_SQL = """
-RESET ALL;
 RESET SESSION AUTHORIZATION;
 RESET ROLE;
-SELECT pg_advisory_unlock_all();
-UNLISTEN *;
-CLOSE ALL;
-SELECT {timeouts}
+SELECT {schema}.session_reset('{timeout}', '{check}', {transaction_ms})
 """
 
 
 async def reset_session(
-    conn: Conn, *, db_timeout: float, client_check_interval: float, server_version: int
+    conn: Conn,
+    schema: str,
+    *,
+    db_timeout: float,
+    client_check_interval: float,
+    server_version: int,
 ) -> None:
     """Clear what the job may have set for the session; the caller's transaction is open."""
-    timeout_ms = ms(db_timeout)
-    left = (
-        f"greatest(1, {timeout_ms} - "
-        "(extract(epoch FROM clock_timestamp() - now()) * 1000)::bigint) || 'ms'"
+    sql = RESET_SESSION_SQL.replace("{timeout}", ms_setting(db_timeout))
+    sql = sql.replace("{check}", interval_setting(client_check_interval))
+    sql = sql.replace(
+        "{transaction_ms}", str(ms(db_timeout)) if server_version >= 170000 else "NULL"
     )
-    timeouts = timeouts_sql(
-        f"'{timeout_ms}ms'",
-        f"'{interval_setting(client_check_interval)}'",
-        left if server_version >= 170000 else None,
-    )
-    await conn.execute(RESET_SESSION_SQL.format(timeouts=timeouts))
+    await conn.execute(qualify(sql, schema))
 
 
 # A read-only look, outside any transaction, before the real attempt: what time is it on the

@@ -1,34 +1,75 @@
--- The two statements of cronlock's own that every fan-out item runs (cronlock/core/fanout.py),
--- as functions: PL/pgSQL keeps their plans for the life of the server connection, where a
+-- The statements of cronlock's own that every fan-out item runs (cronlock/core/fanout.py), as
+-- functions: PL/pgSQL keeps their plans for the life of the server connection, where a
 -- parameterised statement is parsed and planned again at every item (the client keeps no
 -- prepared statements behind PgBouncer; 0003_probe.sql does the same for the trigger's
 -- probe). Together with the session reset folded into the mark, this took the database's
 -- time per item from about twice the bare claim + write + mark loop's to 1.3 x
--- (bench/fanout.py, BENCHMARKS.md).
+-- (bench/fanout.py, BENCHMARKS.md). The session reset is the one a job's run gets too
+-- (cronlock/db/lock.py `reset_session`): one list of what is cleared, for both.
+
+-- A run's or an item's transaction timeouts: statement and idle-in-transaction `p_timeout`,
+-- the client check `p_check`, and on PostgreSQL 17+ (else NULL) `transaction_timeout` with
+-- what is left of `p_transaction_timeout_ms` since the transaction began (now()).
+-- `transaction_timeout` is turned off first: set while its timer runs (a role's or database's
+-- own default, started at BEGIN) it would keep that timer; off stops it, and the new value
+-- starts afresh. The pinned search_path is all the SET clause restores at exit: the timeouts
+-- stay for the rest of the caller's transaction.
+CREATE FUNCTION {schema}.set_timeouts(p_timeout text, p_check text,
+                                      p_transaction_timeout_ms bigint)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM set_config('statement_timeout', p_timeout, true),
+            set_config('idle_in_transaction_session_timeout', p_timeout, true),
+            set_config('client_connection_check_interval', p_check, true);
+    IF p_transaction_timeout_ms IS NOT NULL THEN
+        PERFORM set_config('transaction_timeout', '0', true);
+        PERFORM set_config(
+            'transaction_timeout',
+            greatest(1, p_transaction_timeout_ms
+                        - (extract(epoch FROM clock_timestamp() - now()) * 1000)::bigint)
+                || 'ms',
+            true);
+    END IF;
+END
+$$;
+
+-- Clear what a job or an item left on the session, its transaction still open (the
+-- connection returns to the pool after it, and through PgBouncer to other clients): its
+-- settings, session advisory locks, LISTENs and open cursors; then the timeouts again (RESET
+-- ALL dropped them). The caller resets the role first (RESET SESSION AUTHORIZATION, RESET
+-- ROLE, which RESET ALL leaves be): a role the job switched to may not use this schema. No
+-- SET clause: a function's SET clause restores its variables at exit, which would undo this
+-- RESET ALL for them. The portal running it is active, and CLOSE ALL leaves active portals be.
+CREATE FUNCTION {schema}.session_reset(p_timeout text, p_check text,
+                                       p_transaction_timeout_ms bigint)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    RESET ALL;
+    PERFORM pg_catalog.pg_advisory_unlock_all();
+    UNLISTEN *;
+    EXECUTE 'CLOSE ALL';
+    PERFORM {schema}.set_timeouts(p_timeout, p_check, p_transaction_timeout_ms);
+END
+$$;
 
 -- One pending item of a running, uncancelled fan-out, locked (SKIP LOCKED, in plan order),
--- after the transaction's timeouts are set (`transaction_timeout` from PostgreSQL 17: NULL
--- before). `run_id` is the attempt working the fan-out now (a retry may have taken it over
--- since the worker last looked), `traceparent` its span's. No row when there is none to give.
--- The pinned search_path restores only itself at exit: the timeouts stay set for the rest
--- of the caller's transaction.
+-- after the transaction's timeouts are set. `run_id` is the attempt working the fan-out now (a
+-- retry may have taken it over since the worker last looked), `traceparent` its span's. No
+-- row when there is none to give.
 CREATE FUNCTION {schema}.fanout_claim(p_fanout bigint, p_timeout text, p_check text,
-                                      p_transaction_timeout text)
+                                      p_transaction_timeout_ms bigint)
 RETURNS TABLE (n integer, item jsonb, attempts integer, run_id bigint, traceparent text)
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 BEGIN
-    PERFORM set_config('statement_timeout', p_timeout, true),
-            set_config('idle_in_transaction_session_timeout', p_timeout, true),
-            set_config('client_connection_check_interval', p_check, true);
-    IF p_transaction_timeout IS NOT NULL THEN
-        -- Off first: set while its timer runs (a role's or database's default, started at
-        -- BEGIN), it would keep that timer; off stops it, and the new value starts afresh.
-        PERFORM set_config('transaction_timeout', '0', true);
-        PERFORM set_config('transaction_timeout', p_transaction_timeout, true);
-    END IF;
+    PERFORM {schema}.set_timeouts(p_timeout, p_check, p_transaction_timeout_ms);
     RETURN QUERY
     SELECT i.n, i.item, i.attempts, f.run_id, f.traceparent
     FROM {schema}.fanout_items AS i
@@ -43,13 +84,10 @@ BEGIN
 END
 $$;
 
--- Item `p_n` succeeded, in two functions. This one clears what the item function left on the
--- session (the connection returns to the pool after this transaction, and through PgBouncer
--- to other clients; cronlock/db/lock.py RESET_SESSION_SQL does the same for a job): its
--- settings, a SET ROLE or SET SESSION AUTHORIZATION (which RESET ALL leaves be), session
--- advisory locks, LISTENs and open cursors. It has no SET clause: a function's SET clause
--- restores its variables at exit, which would undo this RESET ALL for them. The portal
--- running it is active, and CLOSE ALL leaves active portals be.
+-- Item `p_n` succeeded: the session reset a job gets (its role first, see session_reset),
+-- then the item marked and taken off its shard's counter. Returns the counter's new value,
+-- or NULL when the item was settled already. No SET clause, for the reset's sake; the marking
+-- is in fanout_item_settle, whose search_path is pinned.
 CREATE FUNCTION {schema}.fanout_item_succeeded(p_fanout bigint, p_n integer, p_result jsonb,
                                                p_instance text, p_shards integer,
                                                p_timeout text, p_check text,
@@ -58,27 +96,15 @@ RETURNS integer
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    RESET ALL;
     RESET SESSION AUTHORIZATION;
     RESET ROLE;
-    PERFORM pg_catalog.pg_advisory_unlock_all();
-    UNLISTEN *;
-    EXECUTE 'CLOSE ALL';
-    RETURN {schema}.fanout_item_settle(p_fanout, p_n, p_result, p_instance, p_shards,
-                                       p_timeout, p_check, p_transaction_timeout_ms);
+    PERFORM {schema}.session_reset(p_timeout, p_check, p_transaction_timeout_ms);
+    RETURN {schema}.fanout_item_settle(p_fanout, p_n, p_result, p_instance, p_shards);
 END
 $$;
 
--- Then this one, with its search_path pinned (whatever the role's or database's default puts
--- ahead of pg_catalog, its operators are pg_catalog's): the timeouts set again (they stay for
--- the rest of the transaction: the pinned search_path is all the SET clause restores), the
--- transaction's remaining time for `transaction_timeout` (PostgreSQL 17+, else NULL), then
--- the item marked and taken off its shard's counter. Returns the counter's new value, or
--- NULL when the item was settled already.
 CREATE FUNCTION {schema}.fanout_item_settle(p_fanout bigint, p_n integer, p_result jsonb,
-                                            p_instance text, p_shards integer,
-                                            p_timeout text, p_check text,
-                                            p_transaction_timeout_ms bigint)
+                                            p_instance text, p_shards integer)
 RETURNS integer
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -86,18 +112,6 @@ AS $$
 DECLARE
     left_ integer;
 BEGIN
-    PERFORM set_config('statement_timeout', p_timeout, true),
-            set_config('idle_in_transaction_session_timeout', p_timeout, true),
-            set_config('client_connection_check_interval', p_check, true);
-    IF p_transaction_timeout_ms IS NOT NULL THEN
-        PERFORM set_config('transaction_timeout', '0', true);  -- off first, as in the claim
-        PERFORM set_config(
-            'transaction_timeout',
-            greatest(1, p_transaction_timeout_ms
-                        - (extract(epoch FROM clock_timestamp() - now()) * 1000)::bigint)
-                || 'ms',
-            true);
-    END IF;
     UPDATE {schema}.fanout_items AS i
     SET status = 'succeeded', attempts = i.attempts + 1, result = p_result, error = NULL,
         instance = p_instance, finished_at = clock_timestamp(), not_before = NULL
