@@ -55,9 +55,11 @@ async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     try:
         with translated():
             here = await _empty_here(conn, settings, sets)
-            # With --yes the answer is given: no look at the other databases (each look is a
-            # connection to that database, which a pooler may keep open).
-            look = here is not None and not (args.yes and not (args.dry_run or args.sql))
+            # Only when the question will be asked (a dry run or --sql shows it, --yes has
+            # answered it): each look is a connection to that database, which a pooler may
+            # keep open.
+            asks = not args.yes or args.dry_run or args.sql
+            look = here is not None and asks
             elsewhere = await ledgers_elsewhere(conn, settings) if look else []
             warning = None
             if here is not None and elsewhere:

@@ -285,7 +285,9 @@ class Database:
             raise DatabaseUnavailable("no database connection free (pool exhausted)") from exc
         except CONNECTION_ERRORS as exc:
             raise translate(exc) from exc
-        reason = self.stale(conn)
+        # Opened before this instance saw a newer timeline elsewhere (new connections to a
+        # stale primary are refused as they open).
+        reason = self.hosts.stale(timeline_of(conn))
         if reason is not None:
             terminate(conn)
             await self.release(conn)
@@ -293,11 +295,6 @@ class Database:
         if not self.server_version:
             self.server_version = conn.get_server_version().major * 10000
         return conn
-
-    def stale(self, conn: asyncpg.pool.PoolConnectionProxy) -> str | None:
-        """Why `conn` must not be used, if it was opened before this instance saw a newer
-        timeline elsewhere (new connections to a stale primary are refused as they open)."""
-        return self.hosts.stale(timeline_of(conn))
 
     @contextlib.asynccontextmanager
     async def connection(
