@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -248,20 +249,28 @@ async def sizes(conn: asyncpg.Connection, name: str) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 
 
-async def fresh_copy(server: Server, template: str, variant: str) -> tuple[str, datetime]:
+@contextlib.asynccontextmanager
+async def fresh_copy(
+    server: Server, template: str, variant: str
+) -> AsyncIterator[tuple[asyncpg.Connection, datetime]]:
+    """A connection to a new copy of the template set up for `variant`, vacuumed and
+    checkpointed, and the digest's slot now; the copy is dropped afterwards."""
     name = await create_database(server, template=template)
-    conn = await asyncpg.connect(server.dsn(name), statement_cache_size=0)
     try:
-        if variant == "floor":
-            await conn.execute(FLOOR_DDL)
-        elif variant == "0011":
-            await conn.execute(INDEXES_0011)
-        await conn.execute("VACUUM ANALYZE")
-        await conn.execute("CHECKPOINT")
-        now: datetime = await conn.fetchval("SELECT now()")
+        conn = await asyncpg.connect(server.dsn(name), statement_cache_size=0)
+        try:
+            if variant == "floor":
+                await conn.execute(FLOOR_DDL)
+            elif variant == "0011":
+                await conn.execute(INDEXES_0011)
+            await conn.execute("VACUUM ANALYZE")
+            await conn.execute("CHECKPOINT")
+            now: datetime = await conn.fetchval("SELECT now()")
+            yield conn, SCHEDULE.slot_for(now, 5.0)
+        finally:
+            await conn.close()
     finally:
-        await conn.close()
-    return name, SCHEDULE.slot_for(now, 5.0)
+        await drop_database(server, name)
 
 
 async def enqueue_all(conn: asyncpg.Connection, variant: str, slot: datetime) -> int:
@@ -399,61 +408,40 @@ async def run_variant(
     run = Run(variant, number)
     tables = ("lean.outbox", "lean.batch") if variant == "floor" else SERVICE_TABLES
     # The one-transaction digest, then delivery of the first emails it queued.
-    name, slot = await fresh_copy(server, template, variant)
-    try:
-        conn = await asyncpg.connect(server.dsn(name), statement_cache_size=0)
-        try:
-            emails = 0
+    async with fresh_copy(server, template, variant) as (conn, slot):
+        emails = 0
 
-            async def digest() -> None:
-                nonlocal emails
-                emails = await enqueue_all(conn, variant, slot)
+        async def digest() -> None:
+            nonlocal emails
+            emails = await enqueue_all(conn, variant, slot)
 
-            run.digest = await measure(conn, digest)
-            run.emails = emails
-            total, indexes, count = await sizes(conn, tables[0])
-            run.bytes_per_email = total / emails
-            run.index_bytes_per_email = indexes / emails
-            run.indexes = count
+        run.digest = await measure(conn, digest)
+        run.emails = emails
+        total, indexes, count = await sizes(conn, tables[0])
+        run.bytes_per_email = total / emails
+        run.index_bytes_per_email = indexes / emails
+        run.indexes = count
+        if variant == "floor":
+            await conn.execute(FLOOR_DELIVERY_DDL)
+        await conn.execute("VACUUM ANALYZE")
+        await conn.execute("CHECKPOINT")
+        delivered = 0
+
+        async def deliver() -> None:
+            nonlocal delivered
             if variant == "floor":
-                await conn.execute(FLOOR_DELIVERY_DDL)
-            await conn.execute("VACUUM ANALYZE")
-            await conn.execute("CHECKPOINT")
-            delivered = 0
+                delivered = await deliver_floor(conn, args.deliver)
+            else:
+                delivered = await deliver_service(conn, args.deliver)
 
-            async def deliver() -> None:
-                nonlocal delivered
-                if variant == "floor":
-                    delivered = await deliver_floor(conn, args.deliver)
-                else:
-                    delivered = await deliver_service(conn, args.deliver)
-
-            run.delivery = await measure(conn, deliver)
-            run.delivered = delivered
-        finally:
-            await conn.close()
-    finally:
-        await drop_database(server, name)
+        run.delivery = await measure(conn, deliver)
+        run.delivered = delivered
     # The lease variant's steps, on a copy of their own.
-    name, slot = await fresh_copy(server, template, variant)
-    try:
-        conn = await asyncpg.connect(server.dsn(name), statement_cache_size=0)
-        try:
-            run.chunk_emails, run.chunk = await enqueue_chunks(conn, variant, slot, args.chunks)
-        finally:
-            await conn.close()
-    finally:
-        await drop_database(server, name)
+    async with fresh_copy(server, template, variant) as (conn, slot):
+        run.chunk_emails, run.chunk = await enqueue_chunks(conn, variant, slot, args.chunks)
     # The fan-out variant's items, on a copy of their own.
-    name, slot = await fresh_copy(server, template, variant)
-    try:
-        conn = await asyncpg.connect(server.dsn(name), statement_cache_size=0)
-        try:
-            run.range_emails, run.range = await enqueue_ranges(conn, variant, slot, args.chunks)
-        finally:
-            await conn.close()
-    finally:
-        await drop_database(server, name)
+    async with fresh_copy(server, template, variant) as (conn, slot):
+        run.range_emails, run.range = await enqueue_ranges(conn, variant, slot, args.chunks)
     return run
 
 
