@@ -207,3 +207,13 @@ def test_the_retry_delay_doubles_and_no_retry_starts_past_max_lateness() -> None
     assert retries.verdict(job, third, now=slot + timedelta(seconds=70)).why == "too late"
     exhausted = replace(failed, attempt=4)
     assert retries.verdict(job, exhausted, now=slot).why == "exhausted"
+    # Started within the early tolerance and failed before its slot: the retry waits for the
+    # slot (a backfill of a slot still to come is refused; it was said once and never made).
+    early = replace(
+        failed, started_at=slot - timedelta(seconds=5), finished_at=slot - timedelta(seconds=4)
+    )
+    waits = retries.verdict(job, early, now=slot - timedelta(seconds=3))
+    assert (waits.why, waits.at) == ("waiting", slot + timedelta(seconds=6))
+    before = replace(early, finished_at=slot - timedelta(seconds=30))
+    assert (retries.verdict(job, before, now=slot - timedelta(seconds=1)).why) == "waiting"
+    assert retries.verdict(job, before, now=slot).why == "due"

@@ -67,6 +67,10 @@ def verdict(job: Job, failed: ledger.Run, now: datetime) -> Verdict:
     ended = failed.finished_at or failed.started_at
     at = ended + timedelta(seconds=delay(job, failed.attempt))
     slot, bound = failed.slot, job.max_lateness
+    if slot is not None and at < slot:
+        # An attempt started within the early tolerance, before its slot, and failed: its
+        # retry is a backfill of that slot, which waits until the slot is past.
+        at = slot
     if bound is not None and slot is not None and (max(at, now) - slot).total_seconds() > bound:
         return Verdict(failed, None, "too late")
     return Verdict(failed, at, "due" if at <= now else "waiting")
