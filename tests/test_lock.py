@@ -217,11 +217,11 @@ async def test_a_fanout_item_s_two_calls_set_its_timeouts_and_clear_its_session(
         await conn.execute("LISTEN careless")
         await conn.execute("DECLARE kept CURSOR WITH HOLD FOR SELECT 1")
         await conn.execute("SELECT pg_sleep(0.5)")
-        left = await fanout.succeeded(
-            conn, "cronlock", active, 0, '{"ok": true}', instance="test",
+        emptied = await fanout.succeeded(
+            conn, "cronlock", active, 0, {"ok": True, "quote": "it's \\ $$"}, instance="te'st",
             db_timeout=30, client_check_interval=1, server_version=version,
         )  # fmt: skip
-        assert left == 0  # item 0 was its shard's only one
+        assert emptied  # item 0 was its shard's only one
         assert await conn.fetchval("SELECT current_setting('work_mem')") == "4MB"
         assert await conn.fetchval("SELECT current_setting('search_path')") == '"$user", public'
         assert await conn.fetchval("SELECT current_user = session_user")
@@ -239,7 +239,7 @@ async def test_a_fanout_item_s_two_calls_set_its_timeouts_and_clear_its_session(
         "SELECT n, status, attempts, result, instance FROM cronlock.fanout_items ORDER BY n"
     )
     assert [tuple(r) for r in items] == [
-        (0, "succeeded", 1, '{"ok": true}', "test"),
+        (0, "succeeded", 1, '{"ok": true, "quote": "it\'s \\\\ $$"}', "te'st"),
         (1, "pending", 0, None, None),
     ]
     shards = await conn.fetch("SELECT remaining, done FROM cronlock.fanout_shards ORDER BY shard")
@@ -250,10 +250,10 @@ async def test_a_fanout_item_s_two_calls_set_its_timeouts_and_clear_its_session(
         ) is not None  # fmt: skip
         assert await setting_ms(conn, "client_connection_check_interval") == 0
     async with conn.transaction():  # settled already: nothing counted twice
-        assert await fanout.succeeded(
+        assert not await fanout.succeeded(
             conn, "cronlock", active, 0, None, instance="test",
             db_timeout=30, client_check_interval=1, server_version=version,
-        ) is None  # fmt: skip
+        )  # fmt: skip
     # An item that switched to a role which may not use cronlock's schema: its mark is
     # refused (docs/long-jobs.md), and the attempt rolls back with the switch.
     await conn.execute(f"REVOKE USAGE ON SCHEMA cronlock FROM {OTHER_ROLE}")

@@ -47,6 +47,7 @@ from typing import Any
 import asyncpg
 
 from cronlock.core.jobs import JobContext, Trigger
+from cronlock.db import literal
 from cronlock.db.lock import interval_setting, ms, ms_setting
 from cronlock.db.pool import Conn
 from cronlock.sql import qualify
@@ -284,8 +285,13 @@ SELECT n, item, attempts, run_id, traceparent FROM {schema}.fanout_claim($1, $2,
 
 # An item succeeded: the session reset (what the item function set goes, the timeouts set
 # again), then the item marked and taken off its shard's counter, in one call (migration
-# 0021): the counter's new value, or NULL when the item was settled already.
-SUCCEEDED_SQL = "SELECT {schema}.fanout_item_succeeded($1, $2, $3, $4, $5, $6, $7, $8)"
+# 0021), which gives the counter's new value (NULL when the item was settled already). Sent
+# with the simple protocol, its values written in (cronlock/db/literal.py): one round trip
+# where bind parameters take two, at every item. Its answer is the command tag: "SELECT 1"
+# when the item was its shard's last.
+SUCCEEDED_SQL = """
+SELECT 1 FROM {schema}.fanout_item_succeeded({args}) AS s(remaining) WHERE s.remaining = 0
+"""
 
 
 # An item failed for good (its retries spent): settled, and taken off its shard's counter: the
@@ -395,21 +401,23 @@ async def succeeded(
     db_timeout: float,
     client_check_interval: float,
     server_version: int,
-) -> int | None:
-    """Reset the item's session and settle item `n` succeeded; its shard's counter after it
-    (None: settled already by another)."""
-    value = await conn.fetchval(
-        qualify(SUCCEEDED_SQL, schema),
-        a.id,
-        n,
-        result,
-        instance,
-        a.shards,
-        ms_setting(db_timeout),
-        interval_setting(client_check_interval),
-        ms(db_timeout) if server_version >= 170000 else None,
+) -> bool:
+    """Reset the item's session and settle item `n` succeeded; whether that emptied its
+    shard's counter (False too when another settled it already)."""
+    args = ", ".join(
+        (
+            literal.integer(a.id),
+            literal.integer(n),
+            literal.jsonb(result),
+            literal.text(instance),
+            literal.integer(a.shards),
+            literal.text(ms_setting(db_timeout)),
+            literal.text(interval_setting(client_check_interval)),
+            literal.integer(ms(db_timeout) if server_version >= 170000 else None),
+        )
     )
-    return int(value) if value is not None else None
+    tag = await conn.execute(qualify(SUCCEEDED_SQL, schema).replace("{args}", args))
+    return tag == "SELECT 1"
 
 
 async def failed(

@@ -741,7 +741,7 @@ class FanoutRunner:
         assert spec is not None
         try:
             with deadline(conn, settings.db_query_timeout):
-                left = await fanout.succeeded(
+                emptied = await fanout.succeeded(
                     conn,
                     self.schema,
                     a,
@@ -752,7 +752,7 @@ class FanoutRunner:
                     client_check_interval=settings.db_client_check_interval,
                     server_version=self.db.server_version,
                 )
-            if left == 0:
+            if emptied:
                 await self._shard_done(conn, job, a)
             with deadline(conn, settings.db_query_timeout):
                 await tx.commit()

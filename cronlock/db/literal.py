@@ -1,0 +1,40 @@
+"""Values written into SQL text, for the few statements cronlock sends with the simple query
+protocol: one round trip, where a statement with bind parameters takes two without a client
+statement cache (asyncpg prepares it, Parse and Describe, then binds and executes it), and
+the client keeps no cache behind PgBouncer. Only statements whose answer is their command tag
+("SELECT 1") can go this way: the simple protocol's rows do not reach the caller.
+
+Text never reaches the SQL as itself: it is written as hexadecimal digits the server decodes
+(`decode(..., 'hex')`), so nothing a job returns or an operator configures can be read as SQL,
+whatever `standard_conforming_strings` says; numbers are written by Python's `int`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def integer(value: int | None) -> str:
+    """An integer (or NULL) as SQL; bool is refused (it is an int in Python, not in SQL)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"not an integer: {value!r}")
+    return str(int(value))
+
+
+def text(value: str | None) -> str:
+    """A string (or NULL) as a text expression: its UTF-8 bytes in hexadecimal."""
+    if value is None:
+        return "NULL"
+    digits = value.encode().hex()
+    return f"pg_catalog.convert_from(pg_catalog.decode('{digits}', 'hex'), 'UTF8')"
+
+
+def jsonb(value: Any) -> str:
+    """A JSON value as jsonb, encoded as cronlock's jsonb codec does (cronlock/db/codecs.py);
+    None is SQL NULL, as the codec passes it."""
+    if value is None:
+        return "NULL"
+    return f"{text(json.dumps(value))}::pg_catalog.jsonb"
