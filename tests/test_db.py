@@ -18,7 +18,8 @@ import pytest
 from cronlock.cli.embedded import free_port
 from cronlock.core.jobs import Job, Registry, job, load
 from cronlock.core.runner import Runner
-from cronlock.db.lock import hashtextextended, lock_key, probe
+from cronlock.core.schedule import Schedule, slot_window
+from cronlock.db.lock import done_already, hashtextextended, lock_key, probe
 from cronlock.db.pool import Database
 from cronlock.db.schema import LOCK_SQL, cronlock_migrations, migrate_lock
 from cronlock.errors import DatabaseUnavailable, JobDefinitionError
@@ -84,6 +85,43 @@ async def test_probe_reads_the_lock_unless_the_hinted_slot_is_done(
         await other.close()
 
 
+async def test_the_one_round_trip_probe_says_done_only_for_the_database_s_slot(
+    db: asyncpg.Connection,
+) -> None:
+    """`done_already`: the slot is done, it is the slot of the database's clock now, the job
+    is not paused (a standby: test_standby_refuses_jobs). Anything else is False, for the
+    full probe to tell."""
+    name, key = "minutely", lock_key("minutely", 0)
+    schedule = Schedule.parse("* * * * *")
+    db_now = await db.fetchval("SELECT now()")
+    slot = schedule.slot_for(db_now, 0)
+    window = slot_window(schedule, slot, 0)
+    if not window[0] <= db_now < window[1] - timedelta(seconds=5):  # too near the next tick
+        await asyncio.sleep((window[1] - db_now).total_seconds() + 0.1)
+        db_now = await db.fetchval("SELECT now()")
+        slot = schedule.slot_for(db_now, 0)
+        window = slot_window(schedule, slot, 0)
+    await db.execute(
+        """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
+           VALUES ('minutely', $1, 'succeeded', 'scheduled', 'earlier')""",
+        slot,
+    )
+
+    async def done(**changes: Any) -> bool:
+        given: dict[str, Any] = {"slot": slot, "window": window, **changes}
+        return await done_already(db, "cronlock", name, key, **given)
+
+    assert await done()
+    assert not await done(run_key="customer-1")  # another key's ledger
+    before = slot - timedelta(minutes=1)
+    assert not await done(slot=before, window=slot_window(schedule, before, 0))  # not done
+    assert not await done(window=(slot - timedelta(minutes=2), slot - timedelta(minutes=1)))
+    await db.execute("INSERT INTO cronlock.pauses (job, paused_by) VALUES ('minutely', 'op')")
+    assert not await done()
+    await db.execute("DELETE FROM cronlock.pauses")
+    assert await done(lease=True)
+
+
 class LaggingRunner(Runner):
     """An instance whose clock is a tick behind the database's: its hint names the previous
     slot, which is done, so the probe skips the lock table and `running` comes back NULL."""
@@ -123,6 +161,52 @@ async def test_a_wrong_hint_costs_speed_never_a_decision(
         await other.close()
         await database.close()
     assert [r["status"] for r in await runs(db, "minutely")] == ["succeeded", "succeeded"]
+
+
+async def test_a_known_done_slot_is_asked_in_one_round_trip_and_anything_else_falls_back(
+    make_settings: Callable[..., Settings],
+    db: asyncpg.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once a probe saw the slot done, the next trigger asks only whether it still is (one
+    round trip, no full probe); a pause, or the run gone from the ledger, goes through the full
+    probe and answers as before."""
+    import cronlock.core.runner as runner_module
+
+    full: list[str] = []
+    original = runner_module.probe  # type: ignore[attr-defined]
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        full.append(args[2])
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "probe", counted)
+    second_of_minute = await db.fetchval("SELECT extract(second FROM now())")
+    if second_of_minute > 50:  # all of it within one minute's slot
+        await asyncio.sleep(61 - float(second_of_minute))
+    settings = make_settings()
+    registry = load(settings.job_modules)
+    job = registry["minutely"]
+    database = Database(settings)
+    await database.open()
+    try:
+        runner = Runner(settings, registry, database)
+        ran = await runner.trigger(job)
+        assert ran.kind == "succeeded"
+        assert len(full) == 1
+        second = await runner.trigger(job)
+        assert (second.reason, second.slot, len(full)) == ("already done", ran.slot, 2)
+        third = await runner.trigger(job)
+        assert (third.reason, third.slot, len(full)) == ("already done", ran.slot, 2)
+        await db.execute("INSERT INTO cronlock.pauses (job, paused_by) VALUES ('minutely', 'op')")
+        paused = await runner.trigger(job)
+        assert (paused.reason, len(full)) == ("paused", 3)
+        await db.execute("DELETE FROM cronlock.pauses")
+        await db.execute("DELETE FROM cronlock.runs")
+        assert (await runner.trigger(job)).kind == "succeeded"
+        assert (await runner.trigger(job)).reason == "already done"
+    finally:
+        await database.close()
 
 
 class DayBehind(datetime):
@@ -271,8 +355,36 @@ async def test_standby_refuses_jobs(
 ) -> None:
     if not hasattr(pg_server, "bindir"):
         pytest.skip("needs a local server to clone (DATABASE_URL points elsewhere)")
+    # A done slot in a database the standby copies: the one-round-trip probe's "done" is never
+    # a standby's (the primary says it, then the standby, which has the same ledger, does not).
+    admin = await asyncpg.connect(pg_server.dsn())
+    await admin.execute("DROP DATABASE IF EXISTS standby_done")
+    await admin.execute(f"CREATE DATABASE standby_done TEMPLATE {template_database}")
+    await admin.close()
+    schedule = Schedule.parse("0 0 1 1 *")
+    slot = datetime(2026, 1, 1, tzinfo=UTC)
+    window = (slot, datetime(2100, 1, 1, tzinfo=UTC))
+    primary = await asyncpg.connect(pg_server.dsn("standby_done"))
+    try:
+        assert schedule.slot_for(await primary.fetchval("SELECT now()"), 0) == slot
+        await primary.execute(
+            """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
+               VALUES ('yearly', $1, 'succeeded', 'scheduled', 'earlier')""",
+            slot,
+        )
+        key = lock_key("y", 0)
+        assert await done_already(primary, "cronlock", "yearly", key, slot=slot, window=window)
+    finally:
+        await primary.close()
     standby = await asyncio.to_thread(start_standby, pg_server, tmp_path / "standby")
     try:
+        copy = await asyncpg.connect(standby.dsn("standby_done"))
+        try:
+            assert await copy.fetchval("SELECT count(*) FROM cronlock.runs") == 1
+            key = lock_key("y", 0)
+            assert not await done_already(copy, "cronlock", "yearly", key, slot=slot, window=window)
+        finally:
+            await copy.close()
         instance = start_instance("standby", {"DATABASE_URL": standby.dsn(template_database)})
         async with httpx.AsyncClient(timeout=10) as client:
             r = await client.get(instance.url + "/readyz")
@@ -285,3 +397,6 @@ async def test_standby_refuses_jobs(
         instance.kill()
     finally:
         standby.stop()
+        admin = await asyncpg.connect(pg_server.dsn())
+        await admin.execute("DROP DATABASE IF EXISTS standby_done")
+        await admin.close()

@@ -11,7 +11,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from cronlock.core.schedule import Schedule, ScheduleError
+from cronlock.core.schedule import Interval, Schedule, ScheduleError, Slots, slot_window
 
 MINUTE = timedelta(minutes=1)
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -268,6 +268,39 @@ def test_slot_for_tolerance_is_capped_at_half_the_interval() -> None:
     assert schedule.slot_for(utc(2024, 1, 1, 12, 0, 30), 45) == utc(2024, 1, 1, 12, 1)
     assert schedule.slot_for(utc(2024, 1, 1, 12, 0, 29), 45) == utc(2024, 1, 1, 12)
     assert schedule.slot_for(utc(2024, 1, 1, 12, 0, 20), 1e9) == utc(2024, 1, 1, 12)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        Schedule.parse("*/5 * * * *"),
+        Schedule.parse("0 7 * * 1-5", "Europe/Berlin"),
+        Schedule.parse("30 2 * * *", "Europe/Berlin"),  # the spring gap and the autumn repeat
+        Schedule.parse("15,17 * * * *"),  # uneven gaps: the tolerance capped on one side only
+        Interval(90),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("tolerance", [0.0, 10.0, 1e9])
+def test_slot_window_is_where_slot_for_gives_the_slot(schedule: Slots, tolerance: float) -> None:
+    """Inside the window slot_for gives the slot; a little outside it gives another: the
+    trigger's one-round-trip probe (cronlock/core/runner.py) relies on both."""
+    rnd = random.Random(11)
+    edge = timedelta(milliseconds=2)
+    for start in [utc(2027, 3, 27), utc(2027, 10, 30), utc(2026, 12, 4, 13)]:
+        slot = schedule.next_tick(start)
+        for _ in range(40):
+            low, high = slot_window(schedule, slot, tolerance)
+            assert low < slot + timedelta(seconds=1)
+            assert slot < high
+            span = (high - low).total_seconds()
+            inside = [low, high - timedelta(microseconds=1)]
+            inside += [low + timedelta(seconds=rnd.uniform(0, span)) for _ in range(5)]
+            for at in inside:
+                assert schedule.slot_for(at, tolerance) == slot, (slot, at)
+            for at in (low - edge, high + edge):
+                assert schedule.slot_for(at, tolerance) != slot, (slot, at)
+            slot = schedule.next_tick(slot + timedelta(seconds=rnd.uniform(0, 4000)))
 
 
 def test_slot_for_reuses_the_last_window(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,8 +29,16 @@ from cronlock.core.fanout_runner import FanoutRunner
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, call
 from cronlock.core.lease_runner import LeaseRunner
 from cronlock.core.outcome import Kind, Outcome, annotate
-from cronlock.core.schedule import ScheduleError
-from cronlock.db.lock import LockKey, lock_text, probe, reset_session, try_lock, verify_keys
+from cronlock.core.schedule import ScheduleError, Slots, slot_window
+from cronlock.db.lock import (
+    LockKey,
+    done_already,
+    lock_text,
+    probe,
+    reset_session,
+    try_lock,
+    verify_keys,
+)
 from cronlock.db.orm import SessionFactory, Sessions
 from cronlock.db.pool import Conn, Database, deadline, terminate
 from cronlock.errors import (
@@ -54,6 +62,8 @@ log = logging.getLogger("cronlock.run")
 
 # Skips answered many times a slot by design; DEBUG with LOG_SKIPS=false (see `Runner.log_outcome`).
 ROUTINE_SKIPS = ("already running", "already done", "already attempted")
+# How many (job, key) done slots the probe keeps before it starts over (`Runner._probe`).
+DONE_SLOTS_KEPT = 10_000
 
 
 @dataclass
@@ -119,6 +129,9 @@ class Runner:
         # reads the database's time, so an instance whose clock is off still gets the hint
         # right (it only saves work, but the lock-table scan it saves is the probe's dearest).
         self._clock_offset = timedelta(0)
+        # Per (job, key): a slot the probe saw done, and the window of the database's clock in
+        # which it is the job's slot (`_probe`).
+        self._done: dict[tuple[str, str | None], tuple[datetime, tuple[datetime, datetime]]] = {}
         self.leases = LeaseRunner(self)
         self.fanouts = FanoutRunner(self)
 
@@ -274,9 +287,12 @@ class Runner:
         self, job: Job, key: str | None, trigger: Trigger, source: str
     ) -> Outcome | None:
         """The cheap first look: skip without a transaction when the lock is visibly held or
-        this instance already knows the slot is done; None means "go and try for real"."""
+        the slot is done; None means "go and try for real"."""
         await self.db.ensure_ready()
         assert self.probe_keys is not None
+        local = (job.name, key)
+        hint = self._done_hint(job)
+        known = self._done.get(local)
         conn = await self.db.acquire()
         try:
             with deadline(conn, self.settings.db_query_timeout):
@@ -284,6 +300,21 @@ class Runner:
                     await self._check_keys(conn)
                     if self.probe_keys is None:
                         return None
+                if known is not None and hint == known[0]:
+                    # The slot this instance last saw done is still the likely one: ask only
+                    # whether it still is, in one round trip (a storm's late duplicates).
+                    if await done_already(
+                        conn,
+                        self.settings.db_schema,
+                        job.name,
+                        self._lock_key(job, key),
+                        slot=hint,
+                        window=known[1],
+                        run_key=key,
+                        lease=job.lease is not None,
+                    ):
+                        return self.skip(job, "already done", hint, trigger, source, key)
+                    del self._done[local]
                 sent = datetime.now(UTC)
                 row = await probe(
                     conn,
@@ -291,7 +322,7 @@ class Runner:
                     job.name,
                     self._lock_key(job, key),
                     scheduled=job.schedule is not None,
-                    done_hint=self._done_hint(job),
+                    done_hint=hint,
                     run_key=key,
                     lease=job.lease is not None,
                 )
@@ -311,12 +342,22 @@ class Runner:
         if job.schedule is not None:
             slot = job.schedule.slot_for(row["db_now"], job.early_tolerance)
             if row["done_slot"] == slot:
+                self._remember_done(local, job.schedule, slot, job.early_tolerance)
                 return self.skip(job, "already done", slot, trigger, source, key)
         if row["running"]:
             return self.skip(job, "already running", None, trigger, source, key)
         # running is None: the hint named a done slot the database's clock disagrees with (a
         # tick between the two clocks), so the lock was not looked at; the real attempt decides.
         return None
+
+    def _remember_done(
+        self, local: tuple[str, str | None], schedule: Slots, slot: datetime, tolerance: float
+    ) -> None:
+        """Note that `slot` of a job (and key) is done, for the next probe's one-round-trip
+        question. Bounded: a keyed job may have a million keys."""
+        if len(self._done) >= DONE_SLOTS_KEPT:
+            self._done.clear()
+        self._done[local] = (slot, slot_window(schedule, slot, tolerance))
 
     def _done_hint(self, job: Job) -> datetime | None:
         """The slot a trigger is likely for, by this instance's clock corrected with the offset

@@ -513,3 +513,22 @@ class Interval:
 
 # What a job's `schedule` is: a cron expression in a zone, or an interval.
 Slots = Schedule | Interval
+
+# How far inside its edges `slot_window` keeps: slot_for compares float seconds, this module's
+# arithmetic is in microseconds, and at an edge the two could disagree by one.
+_EDGE = timedelta(milliseconds=1)
+
+
+def slot_window(
+    schedule: Slots, slot: datetime, early_tolerance: float
+) -> tuple[datetime, datetime]:
+    """[start, end): instants `now` for which `schedule.slot_for(now, early_tolerance)` is
+    `slot` (one of its ticks), a millisecond short of each edge: whoever checks a clock against
+    it (the trigger's one-round-trip probe, cronlock/core/runner.py) leaves the edges to
+    slot_for."""
+    before = schedule.prev_tick(slot - timedelta(microseconds=1))
+    after = schedule.next_tick(slot)
+    tolerance = timedelta(seconds=max(early_tolerance, 0.0))
+    start = slot - min(tolerance, (slot - before) / 2)
+    end = after - min(tolerance, (after - slot) / 2)
+    return start + _EDGE, end - _EDGE

@@ -12,6 +12,7 @@ whatever `standard_conforming_strings` says; numbers are written by Python's `in
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any
 
 
@@ -22,6 +23,25 @@ def integer(value: int | None) -> str:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"not an integer: {value!r}")
     return str(int(value))
+
+
+def boolean(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def oid(value: int) -> str:
+    """An oid (an unsigned 32-bit number, as a lock key's halves are)."""
+    return f"{integer(value)}::pg_catalog.oid"
+
+
+def timestamptz(value: datetime | None) -> str:
+    """An aware datetime (or NULL) as timestamptz: ISO 8601, which the server reads whatever
+    its DateStyle."""
+    if value is None:
+        return "NULL"
+    if value.tzinfo is None:
+        raise ValueError(f"a naive datetime has no instant: {value!r}")
+    return f"{text(value.isoformat())}::pg_catalog.timestamptz"
 
 
 def text(value: str | None) -> str:

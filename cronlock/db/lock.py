@@ -21,6 +21,7 @@ from datetime import datetime
 
 import asyncpg
 
+from cronlock.db import literal
 from cronlock.sql import Conn, qualify
 
 _MASK = 0xFFFFFFFF
@@ -340,3 +341,50 @@ async def probe(
     )
     assert row is not None
     return row
+
+
+# The probe's common answer in one round trip: "already done" for the slot the caller expects
+# (`slot`, done by the ledger when this instance last looked), the database's clock inside that
+# slot's window (`window`, cronlock/core/schedule.py `slot_window`), not paused, not a standby.
+# Sent with the simple protocol, its values written in (cronlock/db/literal.py): the probe with
+# bind parameters takes two round trips, and a skip is little else. Its answer is the command
+# tag: "SELECT 1" for done; anything else is for the full probe to tell.
+DONE_SQL = """
+SELECT 1 FROM {schema}.probe({args}) AS p
+WHERE NOT p.standby AND NOT p.paused AND p.done_slot = {slot}
+  AND p.db_now >= {start} AND p.db_now < {end}
+"""
+
+
+async def done_already(
+    conn: Conn,
+    schema: str,
+    name: str,
+    key: LockKey,
+    *,
+    slot: datetime,
+    window: tuple[datetime, datetime],
+    run_key: str | None = None,
+    lease: bool = False,
+) -> bool:
+    """Whether `slot` is done and is the slot of the database's clock now (see DONE_SQL);
+    False says nothing more."""
+    args = ", ".join(
+        (
+            literal.text(name),
+            literal.text(run_key),
+            literal.oid(key.classid),
+            literal.oid(key.objid),
+            literal.boolean(True),
+            literal.timestamptz(slot),
+            literal.boolean(lease),
+            literal.boolean(True),
+        )
+    )
+    sql = qualify(DONE_SQL, schema).format(
+        args=args,
+        slot=literal.timestamptz(slot),
+        start=literal.timestamptz(window[0]),
+        end=literal.timestamptz(window[1]),
+    )
+    return await conn.execute(sql) == "SELECT 1"
