@@ -416,7 +416,7 @@ async def succeeded(
             literal.integer(ms(db_timeout) if server_version >= 170000 else None),
         )
     )
-    tag = await conn.execute(qualify(SUCCEEDED_SQL, schema).replace("{args}", args))
+    tag = await conn.execute(qualify(SUCCEEDED_SQL, schema).format(args=args))
     return tag == "SELECT 1"
 
 
