@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from collections.abc import Callable
@@ -281,7 +282,7 @@ def test_slot_for_tolerance_is_capped_at_half_the_interval() -> None:
     ],
     ids=str,
 )
-@pytest.mark.parametrize("tolerance", [0.0, 10.0, 1e9])
+@pytest.mark.parametrize("tolerance", [0.0, 10.0, 1e9, math.inf])
 def test_slot_window_is_where_slot_for_gives_the_slot(schedule: Slots, tolerance: float) -> None:
     """Inside the window slot_for gives the slot; a little outside it gives another: the
     trigger's one-round-trip probe (cronlock/core/runner.py) relies on both."""
@@ -291,7 +292,7 @@ def test_slot_window_is_where_slot_for_gives_the_slot(schedule: Slots, tolerance
         slot = schedule.next_tick(start)
         for _ in range(40):
             low, high = slot_window(schedule, slot, tolerance)
-            assert low < slot + timedelta(seconds=1)
+            assert low <= slot + timedelta(milliseconds=1)
             assert slot < high
             span = (high - low).total_seconds()
             inside = [low, high - timedelta(microseconds=1)]
@@ -582,3 +583,6 @@ def test_job_every_declaration() -> None:
         job("zoned-interval", every=30, tz="Europe/Berlin")(noop)
     with pytest.raises(JobDefinitionError, match="whole number"):
         job("half-second", every=0.5)(noop)
+    for tolerance in (-1.0, float("nan")):  # NaN would pass `< 0`
+        with pytest.raises(JobDefinitionError, match="tolerances must be positive"):
+            job("odd-tolerance", schedule="* * * * *", early_tolerance=tolerance)(noop)

@@ -285,12 +285,16 @@ SELECT n, item, attempts, run_id, traceparent FROM {schema}.fanout_claim($1, $2,
 
 # An item succeeded: the session reset (what the item function set goes, the timeouts set
 # again), then the item marked and taken off its shard's counter, in one call (migration
-# 0021), which gives the counter's new value (NULL when the item was settled already). Sent
-# with the simple protocol, its values written in (cronlock/db/literal.py): one round trip
-# where bind parameters take two, at every item. Its answer is the command tag: "SELECT 1"
-# when the item was its shard's last.
-SUCCEEDED_SQL = """
-SELECT 1 FROM {schema}.fanout_item_succeeded({args}) AS s(remaining) WHERE s.remaining = 0
+# 0021), which gives the counter's new value (NULL when the item was settled already).
+SUCCEEDED_SQL = "SELECT {schema}.fanout_item_succeeded($1, $2, $3, $4, $5, $6, $7, $8)"
+# The same for an item that returned nothing (most do), in one round trip where bind
+# parameters take two: sent with the simple protocol, cronlock's own values written in
+# (cronlock/db/literal.py), its answer the command tag, "SELECT 1" when the item was its
+# shard's last. What an item returned is the job's data, and stays a bind parameter: never in
+# statement text, which the server may log or show in pg_stat_activity.
+SUCCEEDED_BARE_SQL = """
+SELECT 1 FROM {schema}.fanout_item_succeeded({args}) AS s(remaining)
+WHERE s.remaining OPERATOR(pg_catalog.=) 0
 """
 
 
@@ -404,20 +408,28 @@ async def succeeded(
 ) -> bool:
     """Reset the item's session and settle item `n` succeeded; whether that emptied its
     shard's counter (False too when another settled it already)."""
-    args = ", ".join(
-        (
-            literal.integer(a.id),
-            literal.integer(n),
-            literal.jsonb(result),
-            literal.text(instance),
-            literal.integer(a.shards),
-            literal.text(ms_setting(db_timeout)),
-            literal.text(interval_setting(client_check_interval)),
-            literal.integer(ms(db_timeout) if server_version >= 170000 else None),
-        )
+    settings = (
+        ms_setting(db_timeout),
+        interval_setting(client_check_interval),
+        ms(db_timeout) if server_version >= 170000 else None,
     )
-    tag = await conn.execute(qualify(SUCCEEDED_SQL, schema).format(args=args))
-    return tag == "SELECT 1"
+    if result is not None:
+        left = await conn.fetchval(
+            qualify(SUCCEEDED_SQL, schema), a.id, n, result, instance, a.shards, *settings
+        )
+        return bool(left == 0)
+    timeout, check, transaction_ms = settings
+    args = literal.join(
+        literal.integer(a.id),
+        literal.integer(n),
+        "NULL",
+        literal.text(instance),
+        literal.integer(a.shards),
+        literal.text(timeout),
+        literal.text(check),
+        literal.integer(transaction_ms),
+    )
+    return await literal.selects_one(conn, qualify(SUCCEEDED_BARE_SQL, schema).format(args=args))
 
 
 async def failed(

@@ -497,7 +497,8 @@ def define(
         raise JobDefinitionError(f"job name {name!r} is reserved for the API")
     if timeout <= 0:
         raise JobDefinitionError(f"job {name!r}: timeout must be positive")
-    if early_tolerance < 0 or (max_lateness is not None and max_lateness <= 0):
+    if not early_tolerance >= 0 or (max_lateness is not None and not max_lateness > 0):
+        # `not >=`: NaN compares false both ways, and would pass `< 0`.
         raise JobDefinitionError(f"job {name!r}: tolerances must be positive")
     dynamic = schedule == DYNAMIC
     if dynamic:

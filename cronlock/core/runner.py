@@ -29,7 +29,7 @@ from cronlock.core.fanout_runner import FanoutRunner
 from cronlock.core.jobs import Job, JobContext, Registry, Trigger, call
 from cronlock.core.lease_runner import LeaseRunner
 from cronlock.core.outcome import Kind, Outcome, annotate
-from cronlock.core.schedule import ScheduleError, Slots, slot_window
+from cronlock.core.schedule import ScheduleError, slot_window
 from cronlock.db.lock import (
     LockKey,
     done_already,
@@ -62,8 +62,6 @@ log = logging.getLogger("cronlock.run")
 
 # Skips answered many times a slot by design; DEBUG with LOG_SKIPS=false (see `Runner.log_outcome`).
 ROUTINE_SKIPS = ("already running", "already done", "already attempted")
-# How many (job, key) done slots the probe keeps before it starts over (`Runner._probe`).
-DONE_SLOTS_KEPT = 10_000
 
 
 @dataclass
@@ -129,9 +127,9 @@ class Runner:
         # reads the database's time, so an instance whose clock is off still gets the hint
         # right (it only saves work, but the lock-table scan it saves is the probe's dearest).
         self._clock_offset = timedelta(0)
-        # Per (job, key): a slot the probe saw done, and the window of the database's clock in
-        # which it is the job's slot (`_probe`).
-        self._done: dict[tuple[str, str | None], tuple[datetime, tuple[datetime, datetime]]] = {}
+        # Per job (without a key): a slot the probe saw done, and the window of the database's
+        # clock in which it is the job's slot (`_probe`).
+        self._done: dict[str, tuple[datetime, tuple[datetime, datetime]]] = {}
         self.leases = LeaseRunner(self)
         self.fanouts = FanoutRunner(self)
 
@@ -290,9 +288,9 @@ class Runner:
         the slot is done; None means "go and try for real"."""
         await self.db.ensure_ready()
         assert self.probe_keys is not None
-        local = (job.name, key)
         hint = self._done_hint(job)
-        known = self._done.get(local)
+        # Not for a keyed run: its key is a caller's, never written into statement text.
+        known = self._done.get(job.name) if key is None else None
         conn = await self.db.acquire()
         try:
             with deadline(conn, self.settings.db_query_timeout):
@@ -310,11 +308,10 @@ class Runner:
                         self._lock_key(job, key),
                         slot=hint,
                         window=known[1],
-                        run_key=key,
                         lease=job.lease is not None,
                     ):
                         return self.skip(job, "already done", hint, trigger, source, key)
-                    del self._done[local]
+                    self._done.pop(job.name, None)
                 sent = datetime.now(UTC)
                 row = await probe(
                     conn,
@@ -342,22 +339,15 @@ class Runner:
         if job.schedule is not None:
             slot = job.schedule.slot_for(row["db_now"], job.early_tolerance)
             if row["done_slot"] == slot:
-                self._remember_done(local, job.schedule, slot, job.early_tolerance)
+                if key is None:
+                    window = slot_window(job.schedule, slot, job.early_tolerance)
+                    self._done[job.name] = (slot, window)
                 return self.skip(job, "already done", slot, trigger, source, key)
         if row["running"]:
             return self.skip(job, "already running", None, trigger, source, key)
         # running is None: the hint named a done slot the database's clock disagrees with (a
         # tick between the two clocks), so the lock was not looked at; the real attempt decides.
         return None
-
-    def _remember_done(
-        self, local: tuple[str, str | None], schedule: Slots, slot: datetime, tolerance: float
-    ) -> None:
-        """Note that `slot` of a job (and key) is done, for the next probe's one-round-trip
-        question. Bounded: a keyed job may have a million keys."""
-        if len(self._done) >= DONE_SLOTS_KEPT:
-            self._done.clear()
-        self._done[local] = (slot, slot_window(schedule, slot, tolerance))
 
     def _done_hint(self, job: Job) -> datetime | None:
         """The slot a trigger is likely for, by this instance's clock corrected with the offset

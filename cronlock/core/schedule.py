@@ -528,7 +528,7 @@ def slot_window(
     slot_for."""
     before = schedule.prev_tick(slot - timedelta(microseconds=1))
     after = schedule.next_tick(slot)
-    tolerance = timedelta(seconds=max(early_tolerance, 0.0))
-    start = slot - min(tolerance, (slot - before) / 2)
-    end = after - min(tolerance, (after - slot) / 2)
+    tolerance = max(early_tolerance, 0.0)  # capped in seconds first: it may be infinite
+    start = slot - timedelta(seconds=min(tolerance, (slot - before).total_seconds() / 2))
+    end = after - timedelta(seconds=min(tolerance, (after - slot).total_seconds() / 2))
     return start + _EDGE, end - _EDGE

@@ -4,16 +4,18 @@ statement cache (asyncpg prepares it, Parse and Describe, then binds and execute
 the client keeps no cache behind PgBouncer. Only statements whose answer is their command tag
 ("SELECT 1") can go this way: the simple protocol's rows do not reach the caller.
 
-Text never reaches the SQL as itself: it is written as hexadecimal digits the server decodes
-(`decode(..., 'hex')`), so nothing a job returns or an operator configures can be read as SQL,
-whatever `standard_conforming_strings` says; numbers are written by Python's `int`.
+Only cronlock's own values go this way (ids, counts, settings, a job's name from its code, the
+instance's name): never what a job returned or a caller sent, which stay bind parameters, out
+of statement text that the server may log or show in pg_stat_activity. Text is written as
+hexadecimal digits the server decodes (`decode(..., 'hex')`), so nothing in it can be read as
+SQL, whatever `standard_conforming_strings` says; numbers are written by Python's `int`.
 """
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
-from typing import Any
+
+from cronlock.sql import Conn
 
 
 def integer(value: int | None) -> str:
@@ -52,9 +54,12 @@ def text(value: str | None) -> str:
     return f"pg_catalog.convert_from(pg_catalog.decode('{digits}', 'hex'), 'UTF8')"
 
 
-def jsonb(value: Any) -> str:
-    """A JSON value as jsonb, encoded as cronlock's jsonb codec does (cronlock/db/codecs.py);
-    None is SQL NULL, as the codec passes it."""
-    if value is None:
-        return "NULL"
-    return f"{text(json.dumps(value))}::pg_catalog.jsonb"
+def join(*values: str) -> str:
+    """Literals as a function call's argument list."""
+    return ", ".join(values)
+
+
+async def selects_one(conn: Conn, sql: str) -> bool:
+    """Run `sql`, a SELECT written with these literals, in one round trip (the simple
+    protocol): whether it gave exactly one row, the only answer its command tag carries."""
+    return await conn.execute(sql) == "SELECT 1"

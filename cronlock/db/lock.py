@@ -348,11 +348,15 @@ async def probe(
 # slot's window (`window`, cronlock/core/schedule.py `slot_window`), not paused, not a standby.
 # Sent with the simple protocol, its values written in (cronlock/db/literal.py): the probe with
 # bind parameters takes two round trips, and a skip is little else. Its answer is the command
-# tag: "SELECT 1" for done; anything else is for the full probe to tell.
+# tag: one row for done; no row says nothing, the full probe tells. For a job without a key:
+# a run's key is a caller's, and stays a bind parameter. When the ledger's slot is not the
+# hinted one the function looks at the lock table here and the full probe again, once (the
+# caller forgets the slot then).
 DONE_SQL = """
 SELECT 1 FROM {schema}.probe({args}) AS p
-WHERE NOT p.standby AND NOT p.paused AND p.done_slot = {slot}
-  AND p.db_now >= {start} AND p.db_now < {end}
+WHERE NOT p.standby AND NOT p.paused
+  AND p.done_slot OPERATOR(pg_catalog.=) {slot}
+  AND p.db_now OPERATOR(pg_catalog.>=) {start} AND p.db_now OPERATOR(pg_catalog.<) {end}
 """
 
 
@@ -364,22 +368,19 @@ async def done_already(
     *,
     slot: datetime,
     window: tuple[datetime, datetime],
-    run_key: str | None = None,
     lease: bool = False,
 ) -> bool:
     """Whether `slot` is done and is the slot of the database's clock now (see DONE_SQL);
     False says nothing more."""
-    args = ", ".join(
-        (
-            literal.text(name),
-            literal.text(run_key),
-            literal.oid(key.classid),
-            literal.oid(key.objid),
-            literal.boolean(True),
-            literal.timestamptz(slot),
-            literal.boolean(lease),
-            literal.boolean(True),
-        )
+    args = literal.join(
+        literal.text(name),
+        "NULL",  # the run's key: none
+        literal.oid(key.classid),
+        literal.oid(key.objid),
+        literal.boolean(True),
+        literal.timestamptz(slot),
+        literal.boolean(lease),
+        literal.boolean(True),
     )
     sql = qualify(DONE_SQL, schema).format(
         args=args,
@@ -387,4 +388,4 @@ async def done_already(
         start=literal.timestamptz(window[0]),
         end=literal.timestamptz(window[1]),
     )
-    return await conn.execute(sql) == "SELECT 1"
+    return await literal.selects_one(conn, sql)
