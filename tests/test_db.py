@@ -15,6 +15,7 @@ import asyncpg
 import httpx
 import pytest
 
+import cronlock.core.runner as runner_module
 from cronlock.cli.embedded import free_port
 from cronlock.core.jobs import Job, Registry, job, load
 from cronlock.core.runner import Runner
@@ -162,6 +163,19 @@ async def test_a_wrong_hint_costs_speed_never_a_decision(
     assert [r["status"] for r in await runs(db, "minutely")] == ["succeeded", "succeeded"]
 
 
+def calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """The job names the runner's `name` (a cronlock/db/lock.py statement) is called for."""
+    called: list[str] = []
+    original = getattr(runner_module, name)
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        called.append(args[2])
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, name, counted)
+    return called
+
+
 async def test_a_known_done_slot_is_asked_in_one_round_trip_and_anything_else_falls_back(
     make_settings: Callable[..., Settings],
     db: asyncpg.Connection,
@@ -170,16 +184,7 @@ async def test_a_known_done_slot_is_asked_in_one_round_trip_and_anything_else_fa
     """Once a probe saw the slot done, the next trigger asks only whether it still is (one
     round trip, no full probe); a pause, or the run gone from the ledger, goes through the full
     probe and answers as before."""
-    import cronlock.core.runner as runner_module
-
-    full: list[str] = []
-    original = runner_module.probe  # type: ignore[attr-defined]
-
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        full.append(args[2])
-        return await original(*args, **kwargs)
-
-    monkeypatch.setattr(runner_module, "probe", counted)
+    full = calls(monkeypatch, "probe")
     settings = make_settings()
     registry = load(settings.job_modules)
     job = registry["minutely"]
@@ -221,16 +226,7 @@ async def test_a_keyed_run_is_never_asked_in_one_round_trip(
 ) -> None:
     """A run's key is a caller's: it stays a bind parameter, so a keyed job always takes the
     full probe (which answers "already done" as before)."""
-    import cronlock.core.runner as runner_module
-
-    asked: list[str] = []
-    original = runner_module.done_already  # type: ignore[attr-defined]
-
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        asked.append(args[2])
-        return await original(*args, **kwargs)
-
-    monkeypatch.setattr(runner_module, "done_already", counted)
+    asked = calls(monkeypatch, "done_already")
     settings = make_settings()
     registry = load(settings.job_modules)
     job = registry["keyed-yearly"]
