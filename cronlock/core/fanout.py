@@ -48,7 +48,7 @@ import asyncpg
 
 from cronlock.core.jobs import JobContext, Trigger
 from cronlock.db import literal
-from cronlock.db.lock import interval_setting, ms, ms_setting
+from cronlock.db.lock import timeout_args
 from cronlock.db.pool import Conn
 from cronlock.sql import qualify
 
@@ -388,9 +388,7 @@ async def claim(
     return await conn.fetchrow(
         qualify(CLAIM_SQL, schema),
         fanout_id,
-        ms_setting(db_timeout),
-        interval_setting(client_check_interval),
-        ms(db_timeout) if server_version >= 170000 else None,
+        *timeout_args(db_timeout, client_check_interval, server_version),
     )
 
 
@@ -408,11 +406,7 @@ async def succeeded(
 ) -> bool:
     """Reset the item's session and settle item `n` succeeded; whether that emptied its
     shard's counter (False too when another settled it already)."""
-    settings = (
-        ms_setting(db_timeout),
-        interval_setting(client_check_interval),
-        ms(db_timeout) if server_version >= 170000 else None,
-    )
+    settings = timeout_args(db_timeout, client_check_interval, server_version)
     if result is not None:
         left = await conn.fetchval(
             qualify(SUCCEEDED_SQL, schema), a.id, n, result, instance, a.shards, *settings

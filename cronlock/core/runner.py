@@ -33,6 +33,7 @@ from cronlock.core.schedule import ScheduleError, slot_window
 from cronlock.db.lock import (
     LockKey,
     done_already,
+    done_question,
     lock_text,
     probe,
     reset_session,
@@ -127,9 +128,9 @@ class Runner:
         # reads the database's time, so an instance whose clock is off still gets the hint
         # right (it only saves work, but the lock-table scan it saves is the probe's dearest).
         self._clock_offset = timedelta(0)
-        # Per job (without a key): a slot the probe saw done, and the window of the database's
-        # clock in which it is the job's slot (`_probe`).
-        self._done: dict[str, tuple[datetime, tuple[datetime, datetime]]] = {}
+        # Per job (without a key): a slot the probe saw done, and the one-round-trip question
+        # whether it still is (`_probe`), written once for every trigger of the slot.
+        self._done: dict[str, tuple[datetime, str]] = {}
         self.leases = LeaseRunner(self)
         self.fanouts = FanoutRunner(self)
 
@@ -301,15 +302,7 @@ class Runner:
                 if known is not None and hint == known[0]:
                     # The slot this instance last saw done is still the likely one: ask only
                     # whether it still is, in one round trip (a storm's late duplicates).
-                    if await done_already(
-                        conn,
-                        self.settings.db_schema,
-                        job.name,
-                        self._lock_key(job, key),
-                        slot=hint,
-                        window=known[1],
-                        lease=job.lease is not None,
-                    ):
+                    if await done_already(conn, known[1]):
                         return self.skip(job, "already done", hint, trigger, source, key)
                     self._done.pop(job.name, None)
                 sent = datetime.now(UTC)
@@ -340,8 +333,15 @@ class Runner:
             slot = job.schedule.slot_for(row["db_now"], job.early_tolerance)
             if row["done_slot"] == slot:
                 if key is None:
-                    window = slot_window(job.schedule, slot, job.early_tolerance)
-                    self._done[job.name] = (slot, window)
+                    question = done_question(
+                        self.settings.db_schema,
+                        job.name,
+                        self._lock_key(job, key),
+                        slot=slot,
+                        window=slot_window(job.schedule, slot, job.early_tolerance),
+                        lease=job.lease is not None,
+                    )
+                    self._done[job.name] = (slot, question)
                 return self.skip(job, "already done", slot, trigger, source, key)
         if row["running"]:
             return self.skip(job, "already running", None, trigger, source, key)

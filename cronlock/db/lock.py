@@ -235,6 +235,19 @@ def interval_setting(seconds: float) -> str:
     return f"{int(seconds * 1000)}ms"
 
 
+def timeout_args(
+    db_timeout: float, client_check_interval: float, server_version: int
+) -> tuple[str, str, int | None]:
+    """The arguments of migration 0021's `set_timeouts` and `session_reset` (and of the fan-out
+    claim and mark, which call them): statement and idle timeout, client check interval, and
+    the `transaction_timeout` budget in ms on PostgreSQL 17+ (None before)."""
+    return (
+        ms_setting(db_timeout),
+        interval_setting(client_check_interval),
+        ms(db_timeout) if server_version >= 170000 else None,
+    )
+
+
 async def try_lock(
     conn: Conn,
     name: str,
@@ -272,7 +285,7 @@ async def try_lock(
 RESET_SESSION_SQL = """
 RESET SESSION AUTHORIZATION;
 RESET ROLE;
-SELECT {schema}.session_reset('{timeout}', '{check}', {transaction_ms})
+SELECT {schema}.session_reset({args})
 """
 
 
@@ -285,12 +298,9 @@ async def reset_session(
     server_version: int,
 ) -> None:
     """Clear what the job may have set for the session; the caller's transaction is open."""
-    sql = RESET_SESSION_SQL.replace("{timeout}", ms_setting(db_timeout))
-    sql = sql.replace("{check}", interval_setting(client_check_interval))
-    sql = sql.replace(
-        "{transaction_ms}", str(ms(db_timeout)) if server_version >= 170000 else "NULL"
-    )
-    await conn.execute(qualify(sql, schema))
+    timeout, check, transaction_ms = timeout_args(db_timeout, client_check_interval, server_version)
+    args = literal.join(literal.text(timeout), literal.text(check), literal.integer(transaction_ms))
+    await conn.execute(qualify(RESET_SESSION_SQL, schema).format(args=args))
 
 
 # A read-only look, outside any transaction, before the real attempt: what time is it on the
@@ -360,8 +370,7 @@ WHERE NOT p.standby AND NOT p.paused
 """
 
 
-async def done_already(
-    conn: Conn,
+def done_question(
     schema: str,
     name: str,
     key: LockKey,
@@ -369,9 +378,9 @@ async def done_already(
     slot: datetime,
     window: tuple[datetime, datetime],
     lease: bool = False,
-) -> bool:
-    """Whether `slot` is done and is the slot of the database's clock now (see DONE_SQL);
-    False says nothing more."""
+) -> str:
+    """DONE_SQL for `slot` of job `name`: the same text for every trigger of that slot, so
+    the caller writes it once, when it sees the slot done."""
     args = literal.join(
         literal.text(name),
         "NULL",  # the run's key: none
@@ -382,10 +391,15 @@ async def done_already(
         literal.boolean(lease),
         literal.boolean(True),
     )
-    sql = qualify(DONE_SQL, schema).format(
+    return qualify(DONE_SQL, schema).format(
         args=args,
         slot=literal.timestamptz(slot),
         start=literal.timestamptz(window[0]),
         end=literal.timestamptz(window[1]),
     )
-    return await literal.selects_one(conn, sql)
+
+
+async def done_already(conn: Conn, question: str) -> bool:
+    """Whether the slot `question` (`done_question`) names is done and is the slot of the
+    database's clock now; False says nothing more."""
+    return await literal.selects_one(conn, question)
