@@ -500,8 +500,6 @@ class FanoutRunner:
                         if await self._one(a):
                             worked = True
                             break
-            except asyncio.CancelledError:
-                raise
             except DatabaseUnavailable as exc:
                 log.debug("fan-out worker: %s", exc.reason)
             except Exception:

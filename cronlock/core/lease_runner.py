@@ -588,8 +588,6 @@ class LeaseRunner:
                 return
             try:
                 await self.take_over_expired(jobs)
-            except asyncio.CancelledError:
-                raise
             except DatabaseUnavailable as exc:
                 log.debug("lease watch: %s", exc.reason)
             except Exception:
