@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import string
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from cronlock.cli.embedded import free_port
 from cronlock.core.jobs import Job, Registry, job, load
 from cronlock.core.runner import Runner
 from cronlock.core.schedule import Schedule, slot_window
-from cronlock.db.lock import done_already, hashtextextended, lock_key, probe
+from cronlock.db.lock import done_already, done_question, hashtextextended, lock_key, probe
 from cronlock.db.pool import Database
 from cronlock.db.schema import LOCK_SQL, cronlock_migrations, migrate_lock
 from cronlock.errors import DatabaseUnavailable, JobDefinitionError
@@ -110,7 +111,7 @@ async def test_the_one_round_trip_probe_says_done_only_for_the_database_s_slot(
 
     async def done(**changes: Any) -> bool:
         given: dict[str, Any] = {"slot": slot, "window": window, **changes}
-        return await done_already(db, "cronlock", name, key, **given)
+        return await done_already(db, done_question("cronlock", name, key, **given))
 
     assert await done()
     before = slot - timedelta(minutes=1)
@@ -120,6 +121,17 @@ async def test_the_one_round_trip_probe_says_done_only_for_the_database_s_slot(
     assert not await done()
     await db.execute("DELETE FROM cronlock.pauses")
     assert await done(lease=True)
+
+
+@contextlib.asynccontextmanager
+async def runner_on(settings: Settings, kind: type[Runner] = Runner) -> AsyncIterator[Runner]:
+    """A runner (of `kind`) over the settings' jobs, its database open for the block."""
+    database = Database(settings)
+    await database.open()
+    try:
+        yield kind(settings, load(settings.job_modules), database)
+    finally:
+        await database.close()
 
 
 class LaggingRunner(Runner):
@@ -134,42 +146,37 @@ class LaggingRunner(Runner):
 async def test_a_wrong_hint_costs_speed_never_a_decision(
     make_settings: Callable[..., Settings], db: asyncpg.Connection, database_url: str
 ) -> None:
-    settings = make_settings()
-    registry = load(settings.job_modules)
-    job = registry["minutely"]
     await db.execute(
         """INSERT INTO cronlock.runs (job, slot, status, trigger, instance)
            VALUES ('minutely', date_trunc('minute', now()) - interval '1 minute',
                    'succeeded', 'scheduled', 'earlier')"""
     )
-    database = Database(settings)
-    await database.open()
     other = await asyncpg.connect(database_url, statement_cache_size=0)
     try:
-        runner = LaggingRunner(settings, registry, database)
-        async with other.transaction():
-            await other.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended('cronlock:minutely', 0))"
-            )
-            held = await runner.trigger(job)
-            assert (held.kind, held.reason) == ("skipped", "already running")
-        ran = await runner.trigger(job)
-        assert ran.kind == "succeeded"
-        again = await runner.trigger(job)
-        assert (again.kind, again.reason, again.slot) == ("skipped", "already done", ran.slot)
+        async with runner_on(make_settings(), LaggingRunner) as runner:
+            job = runner.registry["minutely"]
+            async with other.transaction():
+                await other.execute(
+                    "SELECT pg_advisory_xact_lock(hashtextextended('cronlock:minutely', 0))"
+                )
+                held = await runner.trigger(job)
+                assert (held.kind, held.reason) == ("skipped", "already running")
+            ran = await runner.trigger(job)
+            assert ran.kind == "succeeded"
+            again = await runner.trigger(job)
+            assert (again.kind, again.reason, again.slot) == ("skipped", "already done", ran.slot)
     finally:
         await other.close()
-        await database.close()
     assert [r["status"] for r in await runs(db, "minutely")] == ["succeeded", "succeeded"]
 
 
-def calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
-    """The job names the runner's `name` (a cronlock/db/lock.py statement) is called for."""
-    called: list[str] = []
+def calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[Any, ...]]:
+    """The calls of the runner's `name` (a cronlock/db/lock.py statement), their arguments."""
+    called: list[tuple[Any, ...]] = []
     original = getattr(runner_module, name)
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
-        called.append(args[2])
+        called.append(args)
         return await original(*args, **kwargs)
 
     monkeypatch.setattr(runner_module, name, counted)
@@ -186,18 +193,14 @@ async def test_a_known_done_slot_is_asked_in_one_round_trip_and_anything_else_fa
     probe and answers as before."""
     full = calls(monkeypatch, "probe")
     settings = make_settings()
-    registry = load(settings.job_modules)
-    job = registry["minutely"]
+    job = load(settings.job_modules)["minutely"]
     assert job.schedule is not None
     db_now = await db.fetchval("SELECT now()")
     slot = job.schedule.slot_for(db_now, job.early_tolerance)
     left = (slot_window(job.schedule, slot, job.early_tolerance)[1] - db_now).total_seconds()
     if left < 25:  # all of it within one slot, on a loaded machine too
         await asyncio.sleep(left + 0.1)
-    database = Database(settings)
-    await database.open()
-    try:
-        runner = Runner(settings, registry, database)
+    async with runner_on(settings) as runner:
         ran = await runner.trigger(job)
         assert ran.kind == "succeeded"
         assert len(full) == 1
@@ -216,8 +219,6 @@ async def test_a_known_done_slot_is_asked_in_one_round_trip_and_anything_else_fa
         await db.execute("DELETE FROM cronlock.runs")
         assert ((await runner.trigger(job)).kind, len(full)) == ("succeeded", 5)
         assert ((await runner.trigger(job)).reason, len(full)) == ("already done", 6)
-    finally:
-        await database.close()
 
 
 async def test_a_keyed_run_is_never_asked_in_one_round_trip(
@@ -227,22 +228,15 @@ async def test_a_keyed_run_is_never_asked_in_one_round_trip(
     """A run's key is a caller's: it stays a bind parameter, so a keyed job always takes the
     full probe (which answers "already done" as before)."""
     asked = calls(monkeypatch, "done_already")
-    settings = make_settings()
-    registry = load(settings.job_modules)
-    job = registry["keyed-yearly"]
-    assert job.params is not None
-    database = Database(settings)
-    await database.open()
-    try:
-        runner = Runner(settings, registry, database)
+    async with runner_on(make_settings()) as runner:
+        job = runner.registry["keyed-yearly"]
+        assert job.params is not None
         params = job.params.model_validate({"customer_id": 7})
         ran = await runner.trigger(job, params=params)
         again = [await runner.trigger(job, params=params) for _ in range(3)]
         assert ran.kind == "succeeded"
         assert {(o.reason, o.slot) for o in again} == {("already done", ran.slot)}
         assert asked == []
-    finally:
-        await database.close()
 
 
 class DayBehind(datetime):
@@ -263,14 +257,9 @@ async def test_the_hint_reads_the_database_s_clock_as_the_last_probe_saw_it(
     once it has probed (the hint only saves the lock-table scan, but that is the probe's
     dearest part): it corrects its clock with the offset each probe sees."""
     monkeypatch.setattr("cronlock.core.runner.datetime", DayBehind)
-    settings = make_settings()
-    registry = load(settings.job_modules)
-    job = registry["minutely"]
-    assert job.schedule is not None
-    database = Database(settings)
-    await database.open()
-    try:
-        runner = Runner(settings, registry, database)
+    async with runner_on(make_settings()) as runner:
+        job = runner.registry["minutely"]
+        assert job.schedule is not None
         db_now = await db.fetchval("SELECT now()")
         now_slot = job.schedule.slot_for(db_now, job.early_tolerance)
         assert runner._done_hint(job) == now_slot - timedelta(days=1)
@@ -279,8 +268,6 @@ async def test_the_hint_reads_the_database_s_clock_as_the_last_probe_saw_it(
         seen = {job.schedule.slot_for(db_now - timedelta(seconds=s), job.early_tolerance)
                 for s in (0, 5)}  # fmt: skip
         assert runner._done_hint(job) in seen
-    finally:
-        await database.close()
 
 
 def test_colliding_lock_keys_refuse_to_start() -> None:
@@ -407,7 +394,8 @@ async def test_standby_refuses_jobs(
             slot,
         )
         key = lock_key("y", 0)
-        assert await done_already(primary, "cronlock", "yearly", key, slot=slot, window=window)
+        question = done_question("cronlock", "yearly", key, slot=slot, window=window)
+        assert await done_already(primary, question)
     finally:
         await primary.close()
     standby = await asyncio.to_thread(start_standby, pg_server, tmp_path / "standby")
@@ -415,8 +403,7 @@ async def test_standby_refuses_jobs(
         copy = await asyncpg.connect(standby.dsn("standby_done"))
         try:
             assert await copy.fetchval("SELECT count(*) FROM cronlock.runs") == 1
-            key = lock_key("y", 0)
-            assert not await done_already(copy, "cronlock", "yearly", key, slot=slot, window=window)
+            assert not await done_already(copy, question)
         finally:
             await copy.close()
         instance = start_instance("standby", {"DATABASE_URL": standby.dsn(template_database)})
