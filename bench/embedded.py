@@ -1,6 +1,6 @@
 """The trigger path in a host app against the standalone service and the floor.
 
-Two uvicorn processes pinned to the same core (one busy at a time), wrk (one thread) and
+Three uvicorn processes pinned to the same core (one busy at a time), wrk (one thread) and
 PostgreSQL on the other, and interleaved rounds of these paths, each answering 200:
 
   (b)  POST /bench/select1          the floor: one `SELECT 1` through the pool (bench/app.py)
@@ -9,11 +9,14 @@ PostgreSQL on the other, and interleaved rounds of these paths, each answering 2
   (d') POST /cron/bench-NN-done    the same skip through `cron.router` in the host app
                                     (bench/host_app.py: CORS and GZip middlewares, routes
                                     of its own, `include_router(cron.router)`)
+  (d'') POST /cron/bench-NN-done   the same skip in a bare host app: the two lines alone
+                                    (bench/host_app.py `create_bare_app`)
 
-(d) and (d') rotate over 12 jobs, so every request takes the database probe; both instances
+(d), (d') and (d'') rotate over 12 jobs, so every request takes the database probe; the instances
 share one database, whose ledger holds the one run of each job for today's slot.
 
 Goal (issue 23): (d')/(d) >= 0.9; (d)/(b) and (d')/(b) >= 1.0 (medians of per-round ratios).
+(d'')/(d) is what embedding costs; (d')/(d'') what the host's own layers cost.
 
     .venv/bin/python bench/embedded.py [--rounds 6] [--seconds 4] [--pgbouncer] [--json out.json]
 """
@@ -60,13 +63,18 @@ from tests.support.cluster import PgBouncer
 
 STANDALONE = "standalone"
 HOST = "host"
-APPS = {STANDALONE: "bench.app:create_app", HOST: "bench.host_app:create_app"}
-METRICS_PATH = {STANDALONE: "/metrics", HOST: "/ops/metrics/"}
+BARE = "bare"
+APPS = {
+    STANDALONE: "bench.app:create_app",
+    HOST: "bench.host_app:create_app",
+    BARE: "bench.host_app:create_bare_app",
+}
+METRICS_PATH = {STANDALONE: "/metrics", HOST: "/ops/metrics/", BARE: "/ops/metrics/"}
 
 
 @dataclass(frozen=True)
 class Target:
-    """A route of trigger.py's kind, served by one of the two apps."""
+    """A route of trigger.py's kind, served by one of the three apps."""
 
     route: Route
     app: str
@@ -77,6 +85,7 @@ PATHS = (
     Target(Route("b'", "SELECT 1, host app's route", ("/bench/select1",), "select"), HOST),
     Target(Route("d", "already done, standalone", DONE, "already done"), STANDALONE),
     Target(Route("d'", "already done, host app", DONE, "already done"), HOST),
+    Target(Route("d''", "already done, bare host app", DONE, "already done"), BARE),
 )
 FLOOR = "b"
 
@@ -87,6 +96,8 @@ RATIOS = (
     ("d'", "b", 1.0),
     ("d'", "b'", None),
     ("b'", "b", None),
+    ("d''", "d", None),
+    ("d'", "d''", None),
 )
 
 
@@ -380,7 +391,7 @@ async def run(args: argparse.Namespace, server: Server) -> dict[str, Any]:
     print(
         f"\n{args.rounds} interleaved rounds of {args.seconds:g} s per path (after a "
         f"{args.warmup:g} s warm-up each); wrk -t1 -c{args.connections} on CPU "
-        f"{args.client_cpus} with PostgreSQL, the two apps' uvicorn processes (one each) on "
+        f"{args.client_cpus} with PostgreSQL, the three apps' uvicorn processes (one each) on "
         f"CPU {args.server_cpus}. Load average (1/5/15 min) before {output['load_before']}, "
         f"after {output['load_after']}."
     )

@@ -8,6 +8,10 @@ bench/embedded.py measures against the standalone service (bench/app.py).
   - (b') POST /bench/select1: the floor route of bench/app.py, on cron's pool, as one of the
     host's own routes (no token: the host's routes are the host's business).
 
+`create_bare_app` is the two lines alone (`lifespan=cron.lifespan`, `include_router(cron.router)`,
+plus the metrics and /readyz the benchmark reads): cronlock embedded with nothing of a host's
+in front of it, to tell what embedding costs from what the host's own layers cost.
+
 Logging is set up as the standalone service does it (one JSON line per trigger), so that both
 apps pay for the same line. With HOST_GC_FREEZE=1 its lifespan ends its start-up with
 `gc.collect(); gc.freeze()`, as the standalone service's does (docs/fastapi.md). Served with
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -36,10 +40,33 @@ class Item(BaseModel):
     name: str
 
 
-def create_app() -> FastAPI:
+def configured() -> Cronlock:
     settings = Settings()
     logs.setup(settings.log_format, settings.log_level)
-    cron = Cronlock(settings)
+    return Cronlock(settings)
+
+
+def readiness(cron: Cronlock) -> Callable[[], Awaitable[Response]]:
+    async def readyz() -> Response:
+        ready = await cron.ready()
+        if not ready:
+            return JSONResponse({"status": "not ready", "reason": ready.reason}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    return readyz
+
+
+def create_bare_app() -> FastAPI:
+    cron = configured()
+    app = FastAPI(title="a bare host app", lifespan=cron.lifespan)
+    app.include_router(cron.router)
+    app.add_api_route("/readyz", readiness(cron), methods=["GET"])
+    app.mount("/ops/metrics", cron.metrics)
+    return app
+
+
+def create_app() -> FastAPI:
+    cron = configured()
 
     @contextlib.asynccontextmanager
     async def frozen(app: FastAPI) -> AsyncIterator[None]:
@@ -75,12 +102,7 @@ def create_app() -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz")
-    async def readyz() -> Response:
-        ready = await cron.ready()
-        if not ready:
-            return JSONResponse({"status": "not ready", "reason": ready.reason}, status_code=503)
-        return JSONResponse({"status": "ready"})
+    app.add_api_route("/readyz", readiness(cron), methods=["GET"])
 
     bench = APIRouter(prefix="/bench", include_in_schema=False)
 
