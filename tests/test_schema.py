@@ -433,6 +433,39 @@ async def test_migrate_asks_before_a_second_ledger_on_the_same_server(
     assert run_cli.capsys.readouterr().out.strip() == "migrations are current"
 
 
+async def test_migrate_yes_looks_at_no_other_database(fresh_url: str, run_cli: Cli) -> None:
+    """`--yes` has answered the question before a second ledger: `migrate` then connects to
+    no other database of the server to find one (each look is a connection, which a pooler
+    may keep open), where a dry run still looks (it shows the note). Observed where the looks
+    go, DATABASE_DIRECT_URL: a loopback listener that counts who knocks and hangs up."""
+    knocks = 0
+
+    async def knocked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal knocks
+        knocks += 1
+        writer.close()
+
+    listener = await asyncio.start_server(knocked, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        run_cli.env(
+            DATABASE_URL=fresh_url, DATABASE_DIRECT_URL=f"postgresql://nobody@127.0.0.1:{port}/x"
+        )
+        code, out, err = await run_cli("migrate", "--dry-run")
+        assert code == 0, err
+        assert "would apply: cronlock 0001_ledger" in out
+        # Every other database was passed over (none answered), so no note; but each was tried.
+        assert knocks >= 1
+        knocks = 0
+        code, out, err = await run_cli("migrate", "--yes")
+        assert code == 0, err
+        assert out.startswith("applied: create schema cronlock")
+        assert knocks == 0
+    finally:
+        listener.close()
+        await listener.wait_closed()
+
+
 async def test_a_0_1_database_upgrades_in_place_with_nothing_lost(
     fresh_url: str,
     fresh: asyncpg.Connection,
