@@ -18,7 +18,7 @@ from cronlock.errors import InvalidInput, InvalidTrigger
 from cronlock.inputs import text_problem, timestamp_problem
 from cronlock.ops import views as ops
 from cronlock.web.ui import session
-from cronlock.web.ui.pages import Refused, _guarded, _key, _state, acting, back, page
+from cronlock.web.ui.pages import Refused, acting, back, form_key, guarded, page, state_of
 
 router = APIRouter(include_in_schema=False)
 
@@ -26,7 +26,7 @@ router = APIRouter(include_in_schema=False)
 @router.post("/jobs/{name}/run")
 async def run_now(request: Request, name: str) -> Response:
     async def render() -> Response:
-        db, registry, settings = _state(request)
+        db, registry, settings = state_of(request)
         current, fields = await acting(request)
         job = registry.get(name)
         if job is None:
@@ -60,17 +60,17 @@ async def run_now(request: Request, name: str) -> Response:
             return back(request, f"/runs/{outcome.run_id}")
         return back(request, f"/jobs/{name}", "skipped-running")
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
 @router.post("/jobs/{name}/cancel")
 async def cancel(request: Request, name: str) -> Response:
     async def render() -> Response:
-        db, registry, settings = _state(request)
+        db, registry, settings = state_of(request)
         current, fields = await acting(request)
         if name not in registry:
             raise Refused(404, "No such job.")
-        key = _key(fields.get("key"), "key")
+        key = form_key(fields.get("key"), "key")
         async with db.connection(bounded=False) as conn:
             done = await ops.cancel(
                 conn, registry, settings, name, terminate=False, wait=3.0, key=key, by="ui"
@@ -93,7 +93,7 @@ async def cancel(request: Request, name: str) -> Response:
             return back(request, f"/runs/{done.holder.run_id}", notice)
         return back(request, f"/jobs/{name}", notice)
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
 def _until(text: str | None) -> datetime | None:
@@ -121,7 +121,7 @@ def _note(text: str | None) -> str | None:
 @router.post("/jobs/{name}/pause")
 async def pause(request: Request, name: str) -> Response:
     async def render() -> Response:
-        db, registry, settings = _state(request)
+        db, registry, settings = state_of(request)
         current, fields = await acting(request)
         job = registry.get(name)
         if job is None:
@@ -143,13 +143,13 @@ async def pause(request: Request, name: str) -> Response:
             await session.record(conn, settings, current, "pause", name, note=note, until=until)
         return back(request, f"/jobs/{name}", "paused")
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
 @router.post("/jobs/{name}/resume")
 async def resume(request: Request, name: str) -> Response:
     async def render() -> Response:
-        db, registry, settings = _state(request)
+        db, registry, settings = state_of(request)
         current, _ = await acting(request)
         job = registry.get(name)
         if job is None:
@@ -159,4 +159,4 @@ async def resume(request: Request, name: str) -> Response:
             await session.record(conn, settings, current, "resume", name)
         return back(request, f"/jobs/{name}", "resumed")
 
-    return await _guarded(request, render)
+    return await guarded(request, render)

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from cronlock.ops import views as ops
 from cronlock.web.ui import words
-from cronlock.web.ui.pages import Refused, _guarded, _positive, _state, page
+from cronlock.web.ui.pages import Refused, guarded, page, positive_int, state_of
 
 # What the page counts as a failure: a run that ended without its work done, by itself (an
 # operator's cancel is not one).
@@ -26,7 +26,7 @@ router = APIRouter(include_in_schema=False)
 @router.get("/runs")
 async def runs_page(request: Request) -> Response:
     async def render() -> Response:
-        db, registry, settings = _state(request)
+        db, registry, settings = state_of(request)
         q = request.query_params
         show = q.get("status") or ""
         if show not in ("", "failures", *ops.RUN_STATUSES):
@@ -34,7 +34,7 @@ async def runs_page(request: Request) -> Response:
         job = q.get("job") or None
         if job is not None and job not in registry:
             raise Refused(404, "No such job.")
-        before = _positive(q.get("before"), "page cursor")
+        before = positive_int(q.get("before"), "page cursor")
         statuses = FAILURES if show == "failures" else (show,) if show else None
         async with db.connection() as conn:
             await ops.sweep(conn, settings)  # runs whose holder is gone are closed first
@@ -76,4 +76,4 @@ async def runs_page(request: Request) -> Response:
             next_query=next_query,
         )
 
-    return await _guarded(request, render)
+    return await guarded(request, render)

@@ -13,7 +13,7 @@ from cronlock.core.runner import Runner
 from cronlock.inputs import INT_MAX
 from cronlock.ops import views as ops
 from cronlock.web.ui import session
-from cronlock.web.ui.pages import Refused, _guarded, _positive, _state, acting, back
+from cronlock.web.ui.pages import Refused, acting, back, guarded, positive_int, state_of
 
 router = APIRouter(include_in_schema=False)
 
@@ -21,9 +21,9 @@ router = APIRouter(include_in_schema=False)
 async def _retry(request: Request, run_id: str, n: str | None) -> Response:
     """A retry of a failed fan-out run's failed items (all of them, or item `n`), made as the
     API's (cronlock/core/fanout_retry.py); then the new attempt's page."""
-    db, _, settings = _state(request)
+    db, _, settings = state_of(request)
     current, _ = await acting(request)
-    found_id = _positive(run_id, "run id")
+    found_id = positive_int(run_id, "run id")
     assert found_id is not None
     item = None
     if n is not None:
@@ -48,9 +48,9 @@ async def _retry(request: Request, run_id: str, n: str | None) -> Response:
 
 @router.post("/runs/{run_id}/items/retry")
 async def retry_failed_items(request: Request, run_id: str) -> Response:
-    return await _guarded(request, lambda: _retry(request, run_id, None))
+    return await guarded(request, lambda: _retry(request, run_id, None))
 
 
 @router.post("/runs/{run_id}/items/{n}/retry")
 async def retry_failed_item(request: Request, run_id: str, n: str) -> Response:
-    return await _guarded(request, lambda: _retry(request, run_id, n))
+    return await guarded(request, lambda: _retry(request, run_id, n))

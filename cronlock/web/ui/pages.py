@@ -84,11 +84,11 @@ class Refused(Exception):
         self.message = message
 
 
-def _state(request: Request) -> tuple[Database, Registry, Settings]:
+def state_of(request: Request) -> tuple[Database, Registry, Settings]:
     return request.state.db, request.state.registry, request.state.settings
 
 
-def _root(request: Request) -> str:
+def root_of(request: Request) -> str:
     """Where the dashboard is mounted (`/ui` in the standalone service; with the server's own
     root path, `uvicorn --root-path`, in front): every URL it renders starts there. Kept by
     the dashboard as it is called (cronlock/web/ui/dashboard.py): its static files' mount
@@ -104,7 +104,7 @@ def page(request: Request, name: str, status: int = 200, **context: Any) -> HTML
     context.setdefault("live", False)
     html = templates.get_template(name).render(
         session=found,
-        root=_root(request),
+        root=root_of(request),
         refresh=settings.ui_refresh_interval,
         instance=settings.instance_name,
         notice=notice,
@@ -121,7 +121,7 @@ def problem(request: Request, status: int, message: str, retry: bool = False) ->
     return response
 
 
-async def _guarded(request: Request, render: Any) -> Response:
+async def guarded(request: Request, render: Any) -> Response:
     """Run a page's body; our refusals and an unavailable database become pages."""
     try:
         result: Response = await render()
@@ -162,10 +162,10 @@ async def acting(request: Request) -> tuple[Session, dict[str, str]]:
 
 def back(request: Request, path: str, notice: str | None = None) -> RedirectResponse:
     query = f"?{urlencode({'notice': notice})}" if notice else ""
-    return RedirectResponse(f"{_root(request)}{path}{query}", status_code=303)
+    return RedirectResponse(f"{root_of(request)}{path}{query}", status_code=303)
 
 
-def _positive(text: str | None, what: str) -> int | None:
+def positive_int(text: str | None, what: str) -> int | None:
     if text is None or text == "":
         return None
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= BIGINT_MAX:
@@ -184,7 +184,7 @@ async def login_page(request: Request) -> Response:
         token = secrets.token_urlsafe(24)
     response = page(request, "login.html", login_csrf=token, failed=False)
     response.headers["set-cookie"] = session.cookie_header(
-        settings, _root(request), session.LOGIN_COOKIE, token, 3600
+        settings, root_of(request), session.LOGIN_COOKIE, token, 3600
     )
     return response
 
@@ -192,7 +192,7 @@ async def login_page(request: Request) -> Response:
 @router.post("/login")
 async def login(request: Request) -> Response:
     async def render() -> Response:
-        db, _, settings = _state(request)
+        db, _, settings = state_of(request)
         fields = await form(request)
         expected = session.request_cookie(request.scope, session.LOGIN_COOKIE)
         presented = fields.get("csrf")
@@ -210,18 +210,18 @@ async def login(request: Request) -> Response:
         response.headers.append(
             "set-cookie",
             session.cookie_header(
-                settings, _root(request), session.COOKIE, value, int(settings.ui_session_ttl)
+                settings, root_of(request), session.COOKIE, value, int(settings.ui_session_ttl)
             ),
         )
         return response
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
     async def render() -> Response:
-        db, _, settings = _state(request)
+        db, _, settings = state_of(request)
         fields = await form(request)
         current: Session = request.state.ui_session
         if not session.csrf_ok(current, fields.get("csrf")):
@@ -231,11 +231,11 @@ async def logout(request: Request) -> Response:
         log.info("ui logout", extra={"token": current.kind})
         response = back(request, "/login")
         response.headers.append(
-            "set-cookie", session.cookie_header(settings, _root(request), session.COOKIE, "", 0)
+            "set-cookie", session.cookie_header(settings, root_of(request), session.COOKIE, "", 0)
         )
         return response
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
 # --- jobs -----------------------------------------------------------------------------------
@@ -244,20 +244,20 @@ async def logout(request: Request) -> Response:
 @router.get("/")
 async def jobs_page(request: Request) -> Response:
     async def render() -> Response:
-        db, registry, settings = _state(request)
+        db, registry, settings = state_of(request)
         async with db.connection() as conn:
             await ops.sweep(conn, settings)  # runs whose holder is gone are closed first
             async with ops.reading(conn):
                 view = await ops.jobs(conn, registry)
         return page(request, "jobs.html", live=True, words=words, now=view.now, rows=view.jobs)
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
 @router.get("/jobs/{name}")
 async def job_page(request: Request, name: str) -> Response:
     async def render() -> Response:
-        db, registry, settings = _state(request)
+        db, registry, settings = state_of(request)
         job = registry.get(name)
         if job is None:
             raise Refused(404, "No such job.")
@@ -265,13 +265,13 @@ async def job_page(request: Request, name: str) -> Response:
         status = q.get("status") or None
         if status is not None and status not in ops.RUN_STATUSES:
             raise Refused(422, "Invalid status filter.")
-        key = _key(q.get("key"), "key filter")
-        before = _positive(q.get("before"), "page cursor")
-        days = _positive(q.get("days"), "window") or 2
+        key = form_key(q.get("key"), "key filter")
+        before = positive_int(q.get("before"), "page cursor")
+        days = positive_int(q.get("days"), "window") or 2
         if days not in WINDOW_DAYS:
             raise Refused(422, "Invalid window: 1, 2, 7 or 14 days.")
-        prefix = _key(q.get("prefix"), "key prefix") or ""
-        after = _key(q.get("after"), "schedules cursor") or ""
+        prefix = form_key(q.get("prefix"), "key prefix") or ""
+        after = form_key(q.get("after"), "schedules cursor") or ""
         async with db.connection() as conn:
             await ops.sweep(conn, settings, name)
             async with ops.reading(conn):
@@ -323,10 +323,10 @@ async def job_page(request: Request, name: str) -> Response:
             params_form=ui_params.form(job.params),
         )
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
-def _key(text: str | None, what: str) -> str | None:
+def form_key(text: str | None, what: str) -> str | None:
     """A job key from a form or a query: what the API's key parameters accept, else a 422."""
     if not text:
         return None
@@ -358,8 +358,8 @@ def _schedules(rows: list[dynamic.Row] | None, prefix: str) -> dict[str, Any] | 
 @router.get("/runs/{run_id}")
 async def run_page(request: Request, run_id: str) -> Response:
     async def render() -> Response:
-        db, registry, settings = _state(request)
-        found_id = _positive(run_id, "run id")
+        db, registry, settings = state_of(request)
+        found_id = positive_int(run_id, "run id")
         assert found_id is not None
         async with db.connection() as conn:
             async with ops.reading(conn):
@@ -398,18 +398,18 @@ async def run_page(request: Request, run_id: str) -> Response:
             retried_by=retried_by,
         )
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
 @router.get("/locks")
 async def locks_page(request: Request) -> Response:
     async def render() -> Response:
-        db, registry, _ = _state(request)
+        db, registry, _ = state_of(request)
         async with db.connection() as conn, ops.reading(conn):
             found = await ops.locks(conn, registry)
         return page(request, "locks.html", live=True, locks=found, words=words)
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
 # --- outbox ---------------------------------------------------------------------------------
@@ -418,7 +418,7 @@ async def locks_page(request: Request) -> Response:
 @router.get("/outbox")
 async def outbox_page(request: Request) -> Response:
     async def render() -> Response:
-        db, registry, _ = _state(request)
+        db, registry, _ = state_of(request)
         async with db.connection() as conn, ops.reading(conn):
             stats = await ops.outbox_stats(conn, registry.schema)
             sent = dead = None
@@ -427,14 +427,14 @@ async def outbox_page(request: Request) -> Response:
                 dead = await outbox.dead_rows(conn, schema=registry.schema, limit=100)
         return page(request, "outbox.html", live=True, stats=stats, sent=sent, dead=dead or [])
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
 @router.get("/outbox/{email_id}")
 async def email_page(request: Request, email_id: str) -> Response:
     async def render() -> Response:
-        db, registry, _ = _state(request)
-        found_id = _positive(email_id, "email id")
+        db, registry, _ = state_of(request)
+        found_id = positive_int(email_id, "email id")
         assert found_id is not None
         async with db.connection() as conn, ops.reading(conn):
             row = await outbox.email(conn, schema=registry.schema, email_id=found_id)
@@ -442,17 +442,17 @@ async def email_page(request: Request, email_id: str) -> Response:
             raise Refused(404, "No such email.")
         return page(request, "email.html", live=True, email=row)
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
 
 
 @router.post("/outbox/requeue")
 async def requeue(request: Request) -> Response:
     async def render() -> Response:
-        db, registry, settings = _state(request)
+        db, registry, settings = state_of(request)
         current, fields = await acting(request)
         which = fields.get("id", "")
         ids: list[int] | Literal["all"] = (
-            "all" if which == "all" else [_positive(which, "email id") or 0]
+            "all" if which == "all" else [positive_int(which, "email id") or 0]
         )
         async with db.connection() as conn, ops.reading(conn):
             done = await outbox.requeue(
@@ -463,4 +463,4 @@ async def requeue(request: Request) -> Response:
             )
         return back(request, "/outbox", "requeued" if done else "nothing-dead")
 
-    return await _guarded(request, render)
+    return await guarded(request, render)

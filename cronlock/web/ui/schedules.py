@@ -14,7 +14,7 @@ from cronlock.core.jobs import MAX_KEY_LENGTH
 from cronlock.errors import InvalidSchedule
 from cronlock.ops import views as ops
 from cronlock.web.ui import session
-from cronlock.web.ui.pages import Refused, _guarded, _key, _root, _state, acting
+from cronlock.web.ui.pages import Refused, acting, form_key, guarded, root_of, state_of
 
 router = APIRouter(include_in_schema=False)
 
@@ -33,12 +33,12 @@ async def _schedule_action(request: Request, name: str, action: str) -> Response
     """Pause or resume one key's schedule of a dynamic job (cronlock/core/schedules.py)."""
 
     async def render() -> Response:
-        db, registry, settings = _state(request)
+        db, registry, settings = state_of(request)
         current, fields = await acting(request)
         job = registry.get(name)
         if job is None or not job.dynamic:
             raise Refused(404, "No such dynamic job.")
-        text = _key(fields.get("key"), "key")
+        text = form_key(fields.get("key"), "key")
         if text is None:
             raise Refused(422, "Invalid key: it is missing.")
         api = dynamic.Schedules(lambda: registry, settings)
@@ -58,6 +58,6 @@ async def _schedule_action(request: Request, name: str, action: str) -> Response
             "prefix": fields.get("prefix", "")[:MAX_KEY_LENGTH],
             "notice": f"schedule-{action}d",
         }
-        return RedirectResponse(f"{_root(request)}/jobs/{name}?{urlencode(query)}", 303)
+        return RedirectResponse(f"{root_of(request)}/jobs/{name}?{urlencode(query)}", 303)
 
-    return await _guarded(request, render)
+    return await guarded(request, render)
