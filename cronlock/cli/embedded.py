@@ -54,6 +54,8 @@ SERVICE_USER = "postgres"
 SUPERUSER = "postgres"
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
+# How often a stop signal is sent again to a postmaster that has not ended (`_stop_child`).
+STOP_RESEND = 0.5
 # AF_UNIX paths are limited to 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 CONF_NAME = "cronlock.conf"
@@ -614,9 +616,7 @@ class LocalPostgres:
         """
         self.forget()
         if self._process is not None:
-            if self._process.poll() is None:
-                self._process.send_signal(STOP_SIGNALS[mode])
-            self._reap(STOP_TIMEOUT)
+            self._stop_child(STOP_SIGNALS[mode], STOP_TIMEOUT)
         else:
             pid = self.postmaster_pid()
             if pid is not None and self.is_running() and _parent_of(pid) == os.getpid():
@@ -632,14 +632,40 @@ class LocalPostgres:
             self._lock_file.close()
             self._lock_file = None
 
+    def _stop_child(self, signum: int, timeout: float) -> None:
+        """Signal the postmaster we spawned until it can take the signal, then reap it
+        (`_reap`: SIGKILL past `timeout`).
+
+        A signal that its parent ignores, a child ignores too until it installs a handler:
+        SIG_IGN survives exec, and a shell's background job (`cronlock serve &` in a script)
+        ignores SIGINT and SIGQUIT, as does everything it starts. A postmaster stopped right
+        after its spawn would lose the signal and start up as if nothing had been asked. It
+        installs its handlers before it writes postmaster.pid, so the signal is sent again
+        every STOP_RESEND until one has gone out after that file named it; not more, since a
+        repeated SIGQUIT restarts the postmaster's own clock for killing children that
+        ignore an immediate stop."""
+        process = self._process
+        if process is None:
+            return
+        deadline = time.monotonic() + timeout
+        while process.poll() is None and time.monotonic() < deadline:
+            taken = self.postmaster_pid() == process.pid
+            process.send_signal(signum)
+            if taken:
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(min(STOP_RESEND, max(0.0, deadline - time.monotonic())))
+        self._reap(max(0.0, deadline - time.monotonic()))
+
     def _reap(self, timeout: float) -> None:
+        """Wait for the postmaster we spawned to end and reap it; SIGKILL past `timeout`."""
         if self._process is not None:
             process, self._process = self._process, None
             try:
                 process.wait(timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
-                process.wait(timeout)
+                process.wait(STOP_TIMEOUT)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Until `pg_isready` says the server accepts connections, or raise with the log."""
