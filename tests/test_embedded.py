@@ -530,6 +530,19 @@ def test_sigterm_during_initdb_leaves_nothing(scratch: Path) -> None:
         kill_leftovers(data, process)
 
 
+def test_a_tool_interrupted_is_ended_with_all_it_started(tmp_path: Path) -> None:
+    """A server tool that times out (or whose caller is interrupted) is ended with every
+    process it started, before run_tool returns: else initdb's bootstrap `postgres --single`
+    went on writing into the folder that the caller then failed to remove whole."""
+    pidfile = tmp_path / "child"
+    script = f"sleep 60 & echo $! > {pidfile}; wait"
+    started = time.monotonic()
+    with pytest.raises(embedded.PostgresError, match="timed out"):
+        embedded.run_tool(["sh", "-c", script], timeout=1.0, as_service=False)
+    assert time.monotonic() - started < 10
+    assert not embedded.pid_alive(int(pidfile.read_text()))
+
+
 # --- who may connect: the serve's own OS user only (issue 27) --------------------------------
 
 

@@ -56,6 +56,8 @@ READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
 # How often a stop signal is sent again to a postmaster that has not ended (`_stop_child`).
 STOP_RESEND = 0.5
+# How long a tool's process group gets after SIGTERM, and again after SIGKILL (`end_group`).
+GROUP_GRACE = 5.0
 # AF_UNIX paths are limited to 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 CONF_NAME = "cronlock.conf"
@@ -235,31 +237,76 @@ def run_tool(
     Output goes through a temporary file, not a pipe: a tool that leaves a child behind
     holding the pipe (as `pg_ctl start` does) would make reading it never end. `stdin`, if
     given, is written to the tool's standard input (never its argv, which `ps` shows).
+
+    The tool runs in a session of its own, ended whole (`end_group`) when it times out or
+    the caller is interrupted (a SIGTERM to `serve` arrives as SystemExit): killing the tool
+    alone would leave initdb's bootstrap `postgres --single` writing into a folder that the
+    caller is about to remove.
     """
     extra = as_service_user() if as_service else {}
-    if stdin is None:
-        extra["stdin"] = subprocess.DEVNULL
-    else:
-        extra["input"] = stdin.encode()
     with tempfile.TemporaryFile("w+") as out:
+        process = subprocess.Popen(
+            list(args),
+            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=cwd or "/",
+            start_new_session=True,
+            **extra,
+        )
         try:
-            result = subprocess.run(
-                list(args),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-                check=False,
-                cwd=cwd or "/",
-                **extra,
-            )
+            process.communicate(None if stdin is None else stdin.encode(), timeout=timeout)
         except subprocess.TimeoutExpired as exc:
+            end_group(process)
             out.seek(0)
             raise PostgresError(f"{args[0]} timed out after {timeout}s:\n{out.read()}") from exc
+        except BaseException:
+            end_group(process)
+            raise
         out.seek(0)
         output = out.read()
-    if result.returncode != 0:
-        raise PostgresError(f"{' '.join(args)} failed ({result.returncode}):\n{output}")
+    if process.returncode != 0:
+        raise PostgresError(f"{' '.join(args)} failed ({process.returncode}):\n{output}")
     return output
+
+
+def end_group(process: subprocess.Popen[bytes]) -> None:
+    """End a tool started in a session of its own and everything it started, and return
+    once none of them is left (or GROUP_GRACE after SIGKILL): SIGTERM first, which lets
+    initdb remove what it made, SIGKILL past GROUP_GRACE."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signum)
+        deadline = time.monotonic() + GROUP_GRACE
+        # Reaped first: the tool itself would otherwise stay in its group as a zombie.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(GROUP_GRACE)
+        while group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not group_alive(process.pid):
+            return
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is alive; zombies (waiting for whoever adopted them
+    to reap them) are not."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                # After the command's closing parenthesis: state, ppid, pgrp, ...
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    return True
+    return False
 
 
 def scram_verifier(password: str) -> str:
