@@ -244,8 +244,9 @@ def run_tool(
     caller is about to remove.
     """
     extra = as_service_user() if as_service else {}
-    with tempfile.TemporaryFile("w+") as out:
-        process = subprocess.Popen(
+    with (
+        tempfile.TemporaryFile("w+") as out,
+        subprocess.Popen(
             list(args),
             stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
             stdout=out,
@@ -253,7 +254,8 @@ def run_tool(
             cwd=cwd or "/",
             start_new_session=True,
             **extra,
-        )
+        ) as process,
+    ):
         try:
             process.communicate(None if stdin is None else stdin.encode(), timeout=timeout)
         except subprocess.TimeoutExpired as exc:
