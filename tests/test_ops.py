@@ -91,6 +91,19 @@ async def seed_run(
 # --- GET /cron/jobs and /cron/locks ---------------------------------------------------------
 
 
+async def sleeping(db: asyncpg.Connection, job: str) -> bool:
+    """Whether the holder of `job`'s lock is running a statement (its pg_sleep)."""
+    key = job_key(job)
+    found = await db.fetchval(
+        """SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+           WHERE l.locktype = 'advisory' AND l.granted AND l.classid = $1 AND l.objid = $2
+             AND l.objsubid = 1 AND a.state = 'active')""",
+        key.classid,
+        key.objid,
+    )
+    return bool(found)
+
+
 @pytest.mark.slow  # seconds of timers or loops by design: not in --fast
 async def test_jobs_show_last_run_and_running_from_pg_locks(
     pair: tuple[Any, Any], client: httpx.AsyncClient, db: asyncpg.Connection
@@ -98,7 +111,9 @@ async def test_jobs_show_last_run_and_running_from_pg_locks(
     runner, reader = pair
     fast = (await post(client, runner.url + "/cron/fast")).json()
     pending = asyncio.create_task(post(client, runner.url + "/cron/slow-sql", json={"seconds": 3}))
-    await wait_for(lambda: lock_held(db, "slow-sql"), 10, "slow-sql to take its lock")
+    # Until its sleep runs: between the lock and the job's statement the holder is briefly
+    # "idle in transaction", which the view would report as such.
+    await wait_for(lambda: sleeping(db, "slow-sql"), 10, "slow-sql's statement to run")
 
     view = await get_json(client, reader.url + "/cron/jobs")
     by_name = {j["name"]: j for j in view["jobs"]}
