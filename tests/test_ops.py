@@ -168,7 +168,7 @@ async def test_locks_maps_keys_to_jobs_in_this_database_only(
         pending = asyncio.create_task(
             post(client, runner.url + "/cron/slow-sql", json={"seconds": 2})
         )
-        await wait_for(lambda: lock_held(db, "slow-sql"), 10, "slow-sql to take its lock")
+        await wait_for(lambda: sleeping(db, "slow-sql"), 10, "slow-sql's statement to run")
         found = (await get_json(client, reader.url + "/cron/locks"))["locks"]
         await pending
     finally:
