@@ -263,7 +263,14 @@ def run_tool(
             out.seek(0)
             raise PostgresError(f"{args[0]} timed out after {timeout}s:\n{out.read()}") from exc
         except BaseException:
-            end_group(process)
+            try:
+                end_group(process)
+            except BaseException:
+                # A second SIGTERM or Ctrl-C while the group ends: no grace left, but never
+                # a group still writing into what the caller removes next.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                raise
             raise
         out.seek(0)
         output = out.read()
@@ -276,6 +283,8 @@ def end_group(process: subprocess.Popen[bytes]) -> None:
     """End a tool started in a session of its own and everything it started, and return
     once none of them is left (or GROUP_GRACE after SIGKILL): SIGTERM first, which lets
     initdb remove what it made, SIGKILL past GROUP_GRACE."""
+    if process.returncode is not None and not group_alive(process.pid):
+        return  # reaped with nothing left: its pid may be another process's by now
     for signum in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signum)
