@@ -200,10 +200,17 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # alive, owned by someone else
         return True
     # A zombie still answers kill(0); it is dead for our purposes.
-    with contextlib.suppress(OSError):
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    return True
+    stat = proc_stat(Path(f"/proc/{pid}"))
+    return stat is None or stat[0] != "Z"
+
+
+def proc_stat(entry: Path) -> list[str] | None:
+    """A process's /proc stat fields after its command's closing parenthesis (state, ppid,
+    pgrp, ...), or None where there is no such file (gone, or no /proc)."""
+    try:
+        return (entry / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def wait_gone(pids: Sequence[int], timeout: float) -> list[int]:
@@ -311,12 +318,9 @@ def group_alive(pgid: int) -> bool:
     if not proc.is_dir():
         return True
     for entry in proc.iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                # After the command's closing parenthesis: state, ppid, pgrp, ...
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    return True
+        stat = proc_stat(entry) if entry.name.isdigit() else None
+        if stat is not None and stat[2] == str(pgid) and stat[0] != "Z":
+            return True
     return False
 
 
