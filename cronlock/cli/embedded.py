@@ -43,7 +43,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote
@@ -193,15 +193,23 @@ def port_is_free(port: int) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not answers_signal(os.kill, pid):
         return False
-    except PermissionError:  # alive, owned by someone else
-        return True
     # A zombie still answers kill(0); it is dead for our purposes.
     stat = proc_stat(Path(f"/proc/{pid}"))
     return stat is None or stat[0] != "Z"
+
+
+def answers_signal(kill: Callable[[int, int], None], target: int) -> bool:
+    """Whether `kill(target, 0)` (os.kill: a pid, os.killpg: a group) finds a process,
+    zombies included; one owned by someone else counts."""
+    try:
+        kill(target, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def proc_stat(entry: Path) -> list[str] | None:
@@ -308,12 +316,8 @@ def end_group(process: subprocess.Popen[bytes]) -> None:
 def group_alive(pgid: int) -> bool:
     """Whether a process of group `pgid` is alive; zombies (waiting for whoever adopted them
     to reap them) are not."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
+    if not answers_signal(os.killpg, pgid):
         return False
-    except PermissionError:  # alive, owned by someone else
-        return True
     proc = Path("/proc")
     if not proc.is_dir():
         return True
