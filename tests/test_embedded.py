@@ -543,6 +543,34 @@ def test_a_tool_interrupted_is_ended_with_all_it_started(tmp_path: Path) -> None
     assert not embedded.pid_alive(int(pidfile.read_text()))
 
 
+def test_a_second_interruption_while_a_tool_ends_still_kills_its_group(tmp_path: Path) -> None:
+    """Interrupted (as a SIGTERM to `serve` arrives: an exception in the main thread) and
+    interrupted again while its group gets its grace: the group, which ignores SIGTERM here,
+    is SIGKILLed before the second exception goes on."""
+    pidfile = tmp_path / "child"
+    script = f"trap '' TERM; sleep 60 & echo $! > {pidfile}; wait"
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    # At 1 s (the tool runs), then at 2 s (its group's SIGTERM ignored, its grace running).
+    signal.setitimer(signal.ITIMER_REAL, 1.0, 1.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(Interrupted):
+            embedded.run_tool(["sh", "-c", script], timeout=30.0, as_service=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - started < embedded.GROUP_GRACE + 1
+    child = int(pidfile.read_text())
+    assert embedded.wait_gone([child], 5) == []
+
+
 # --- who may connect: the serve's own OS user only (issue 27) --------------------------------
 
 

@@ -273,11 +273,7 @@ def run_tool(
     ):
         try:
             process.communicate(None if stdin is None else stdin.encode(), timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            end_group(process)
-            out.seek(0)
-            raise PostgresError(f"{args[0]} timed out after {timeout}s:\n{out.read()}") from exc
-        except BaseException:
+        except BaseException as exc:  # a timeout, or the caller interrupted
             try:
                 end_group(process)
             except BaseException:
@@ -286,6 +282,9 @@ def run_tool(
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 raise
+            if isinstance(exc, subprocess.TimeoutExpired):
+                out.seek(0)
+                raise PostgresError(f"{args[0]} timed out after {timeout}s:\n{out.read()}") from exc
             raise
         out.seek(0)
         output = out.read()
